@@ -1,0 +1,210 @@
+"""Tracing helpers with the real OTel SDK: span tree, GenAI attributes, room events, trace file."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+from enum import IntEnum
+from types import SimpleNamespace
+
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from pdengine.telemetry import tracing
+
+
+class State(IntEnum):  # same names and values as pdengine.fsm.RoomState
+    FAILED = 0
+    BOOTSTRAPPING = 1
+    WAITING_FOR_INPUT = 2
+    TRANSFERRING = 3
+    SUCCESS = 4
+
+
+@pytest.fixture
+def otel():
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    yield SimpleNamespace(exporter=exporter, tracer=tracing.get_tracer(provider))
+    provider.shutdown()
+
+
+def _by_name(exporter: InMemorySpanExporter) -> dict[str, object]:
+    return {s.name: s for s in exporter.get_finished_spans()}
+
+
+def test_router_span_follows_genai_conventions(otel) -> None:
+    span = tracing.start_request_span(
+        "text_completion", "tiny", max_tokens=8, temperature=0.0, tracer=otel.tracer
+    )
+    tracing.record_usage(span, input_tokens=5, output_tokens=8, finish_reason="length")
+    tracing.end_span(span)
+    (finished,) = otel.exporter.get_finished_spans()
+    assert finished.name == "text_completion tiny"
+    attrs = finished.attributes
+    assert attrs["gen_ai.operation.name"] == "text_completion"
+    assert attrs["gen_ai.request.model"] == "tiny"
+    assert attrs["gen_ai.request.max_tokens"] == 8
+    assert attrs["gen_ai.request.temperature"] == 0.0
+    assert attrs["gen_ai.usage.input_tokens"] == 5
+    assert attrs["gen_ai.usage.output_tokens"] == 8
+    assert tuple(attrs["gen_ai.response.finish_reasons"]) == ("length",)
+    assert finished.parent is None
+
+
+def test_traceparent_round_trip_builds_one_tree(otel) -> None:
+    root = tracing.start_request_span("chat", "tiny", tracer=otel.tracer)
+    headers = tracing.inject_headers({}, root)
+    assert headers["traceparent"].split("-")[1] == f"{root.get_span_context().trace_id:032x}"
+    # The worker sees the headers as HTTP delivers them (any case).
+    worker = tracing.start_worker_span(
+        "prefill", {"Traceparent": headers["traceparent"]}, room_id=7, tracer=otel.tracer
+    )
+    rooms = tracing.RoomTracer("prefill", tracer=otel.tracer)
+    rooms.bind(7, worker, tokens=40)
+    rooms.on_transition(SimpleNamespace(room_id=7), "succeed", State.TRANSFERRING, State.SUCCESS, False)
+    tracing.end_span(worker)
+    tracing.end_span(root)
+    spans = _by_name(otel.exporter)
+    trace_ids = {s.context.trace_id for s in spans.values()}
+    assert len(trace_ids) == 1
+    assert spans["prefill request"].parent.span_id == spans["chat tiny"].context.span_id
+    assert spans["room prefill"].parent.span_id == spans["prefill request"].context.span_id
+    assert spans["room prefill"].attributes["pdengine.room.tokens"] == 40
+
+
+def test_client_traceparent_becomes_the_routers_parent(otel) -> None:
+    outer = otel.tracer.start_span("client")
+    headers = tracing.inject_headers(None, outer)
+    root = tracing.start_request_span("generate", "tiny", headers=headers, tracer=otel.tracer)
+    tracing.end_span(root)
+    outer.end()
+    spans = _by_name(otel.exporter)
+    assert spans["generate tiny"].parent.span_id == outer.get_span_context().span_id
+
+
+def test_room_events_in_order_and_span_ends_at_terminal(otel) -> None:
+    rooms = tracing.RoomTracer("decode", tracer=otel.tracer)
+    room = SimpleNamespace(room_id=11, num_pages=3, checksum_ok=True, reason="")
+    rooms.bind(11)
+    steps = [
+        ("bootstrapped", State.BOOTSTRAPPING, State.WAITING_FOR_INPUT),
+        ("chunk_sent", State.WAITING_FOR_INPUT, State.TRANSFERRING),
+        ("chunk_done", State.TRANSFERRING, State.TRANSFERRING),
+    ]
+    for trigger, src, dst in steps:
+        rooms.on_transition(room, trigger, src, dst, False)
+    assert otel.exporter.get_finished_spans() == ()  # not terminal yet
+    assert rooms.live_rooms == 1
+    rooms.on_transition(room, "succeed", State.TRANSFERRING, State.SUCCESS, False)
+    (span,) = otel.exporter.get_finished_spans()
+    assert rooms.live_rooms == 0
+    seen = [(e.attributes["trigger"], e.attributes["from"], e.attributes["to"]) for e in span.events]
+    assert seen == [
+        ("bootstrapped", "BOOTSTRAPPING", "WAITING_FOR_INPUT"),
+        ("chunk_sent", "WAITING_FOR_INPUT", "TRANSFERRING"),
+        ("chunk_done", "TRANSFERRING", "TRANSFERRING"),
+        ("succeed", "TRANSFERRING", "SUCCESS"),
+    ]
+    assert all(e.attributes["late"] is False for e in span.events)
+    assert span.attributes["pdengine.room.pages"] == 3
+    assert span.attributes["pdengine.room.checksum_ok"] is True
+    assert span.attributes["pdengine.room.final_state"] == "SUCCESS"
+
+
+def test_failed_room_records_reason_and_late_event_is_a_marked_child(otel) -> None:
+    rooms = tracing.RoomTracer("prefill", tracer=otel.tracer)
+    room = SimpleNamespace(room_id=5, reason="checksum mismatch in chunk 2")
+    rooms.on_transition(room, "fail", State.TRANSFERRING, State.FAILED, False)  # unbound: root span
+    rooms.on_transition(room, "chunk_done", State.FAILED, State.FAILED, True)  # absorbed late
+    spans = _by_name(otel.exporter)
+    failed, late = spans["room prefill"], spans["room prefill late event"]
+    assert failed.status.status_code.name == "ERROR"
+    assert "checksum mismatch" in failed.status.description
+    assert failed.attributes["pdengine.room.failure_reason"] == "checksum mismatch in chunk 2"
+    assert late.parent.span_id == failed.context.span_id
+    (event,) = late.events
+    assert event.attributes["late"] is True and event.attributes["trigger"] == "chunk_done"
+
+
+def test_finish_closes_a_room_the_fsm_never_terminated(otel) -> None:
+    rooms = tracing.RoomTracer("decode", tracer=otel.tracer)
+    rooms.bind(9)
+    rooms.finish(9, error=ValueError("prompt too long"))
+    rooms.finish(9)  # idempotent
+    (span,) = otel.exporter.get_finished_spans()
+    assert span.attributes["pdengine.room.closed_by"] == "request"
+    assert "prompt too long" in span.attributes["pdengine.room.failure_reason"]
+    assert rooms.live_rooms == 0
+
+
+def test_hook_errors_never_escape(otel, caplog) -> None:
+    rooms = tracing.RoomTracer("decode", tracer=otel.tracer)
+    rooms.on_transition(SimpleNamespace(room_id="not-an-int"), "abort", 1, 0, False)
+    assert "room tracing failed" in caplog.text
+
+
+def test_without_exporter_nothing_is_recorded(monkeypatch) -> None:
+    monkeypatch.delenv(tracing.TRACE_FILE_ENV, raising=False)
+    monkeypatch.delenv(tracing.OTLP_ENDPOINT_ENV, raising=False)
+    assert tracing.build_provider("pdengine-test") is None
+    from opentelemetry.trace import NoOpTracer
+
+    rooms = tracing.RoomTracer("decode", tracer=NoOpTracer())
+    rooms.bind(1)
+    rooms.on_transition(SimpleNamespace(room_id=1), "abort", State.BOOTSTRAPPING, State.FAILED, False)
+    assert rooms.live_rooms == 0
+
+
+def test_compose_hooks_calls_each_in_order() -> None:
+    calls: list[str] = []
+    hook = tracing.compose_hooks(
+        lambda *a: calls.append("metrics"), None, lambda *a: calls.append("trace")
+    )
+    hook(SimpleNamespace(room_id=1), "abort", 1, 0, False)
+    assert calls == ["metrics", "trace"]
+
+
+def _write_spans(path: str, service: str, count: int) -> None:
+    provider = tracing.build_provider(service, trace_file=path, otlp=False)
+    tracer = tracing.get_tracer(provider)
+    for i in range(count):
+        span = tracer.start_span(f"{service}-{i}", attributes={"payload": "x" * 2000})
+        span.add_event("transition", {"trigger": "t", "late": False})
+        span.end()
+    provider.shutdown()
+
+
+def test_trace_file_lines_from_several_processes_stay_whole(tmp_path) -> None:
+    path = str(tmp_path / "trace.jsonl")
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_write_spans, args=(path, f"svc{i}", 200)) for i in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0
+    lines = (tmp_path / "trace.jsonl").read_text().splitlines()
+    assert len(lines) == 600
+    records = [json.loads(line) for line in lines]  # a torn line would not parse
+    assert {r["service"] for r in records} == {"svc0", "svc1", "svc2"}
+    assert len({r["pid"] for r in records}) == 3
+    first = records[0]
+    assert set(first) >= {"trace_id", "span_id", "parent_id", "name", "start_ns", "end_ns"}
+    assert first["events"][0]["attributes"] == {"trigger": "t", "late": False}
+    assert len(first["trace_id"]) == 32 and first["end_ns"] >= first["start_ns"]
+
+
+def test_trace_file_from_environment(tmp_path, monkeypatch) -> None:
+    path = tmp_path / "env.jsonl"
+    monkeypatch.setenv(tracing.TRACE_FILE_ENV, os.fspath(path))
+    provider = tracing.build_provider("pdengine-router")
+    assert provider is not None
+    tracing.get_tracer(provider).start_span("one").end()
+    provider.shutdown()
+    (record,) = [json.loads(line) for line in path.read_text().splitlines()]
+    assert record["name"] == "one" and record["service"] == "pdengine-router"
