@@ -22,6 +22,7 @@ class CreateRoom(RoomEvent):
     peer: str = ""
     num_chunks: int | None = None  # known up front on the sender; None = learn from is_last
     meta: dict[str, Any] = field(default_factory=dict)
+    pages: tuple[int, ...] = ()  # local KV pages the room holds (freed/quarantined by effects)
 
 
 @dataclass(frozen=True)
