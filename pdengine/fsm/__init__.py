@@ -4,6 +4,7 @@ Imports stdlib, `transitions` and `anyio` only (DESIGN.md section 4).
 """
 
 from pdengine.fsm.actor import ActorCounters, MailboxFull, RoomActor, RoomResult
+from pdengine.fsm.core import RoomCore
 from pdengine.fsm.deadlines import RoomDeadlines
 from pdengine.fsm.effects import (
     AckAbort,
@@ -38,6 +39,7 @@ __all__ = [
     "RequestState",
     "Room",
     "RoomActor",
+    "RoomCore",
     "RoomDeadlines",
     "RoomResult",
     "RoomState",
