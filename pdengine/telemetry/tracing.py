@@ -268,17 +268,28 @@ def end_span(span: Span, error: BaseException | str | None = None) -> None:
 # ---------------------------------------------------------------- room spans
 
 
-# Room attributes copied onto the span when the FSM reports a transition: (attribute, key).
-_ROOM_FIELDS: tuple[tuple[str, str], ...] = (
-    ("num_tokens", "tokens"),
-    ("num_pages", "pages"),
-    ("nbytes", "bytes"),
-    ("bytes_transferred", "bytes"),
-    ("checksum_ok", "checksum_ok"),
-    ("reason", "failure_reason"),
-    ("failure_reason", "failure_reason"),
-    ("peer", "peer"),
-)
+def room_attributes(room: Any) -> dict[str, Any]:
+    """What a room (pdengine.fsm.Room or look-alike) says about itself, as span attributes."""
+    out: dict[str, Any] = {}
+    for field, key in (("num_tokens", "tokens"), ("nbytes", "bytes"), ("peer", "peer")):
+        value = getattr(room, field, None)
+        if isinstance(value, int | float | str) and value != "":
+            out[key] = value
+    for field, key in (("pages", "pages"), ("dst_pages", "dst_pages"), ("chunks_done", "chunks")):
+        value = getattr(room, field, None)
+        if isinstance(value, tuple | list | set | frozenset) and value:
+            out[key] = len(value)
+    reason = str(getattr(room, "reason", "") or "")
+    if reason:
+        out["failure_reason"] = reason
+    if "checksum" in reason.lower():
+        out["checksum"] = "mismatch"
+    elif getattr(room, "role", "") == "decode" and state_name(getattr(room, "state", "")) == "SUCCESS":
+        out["checksum"] = "verified"  # a receiver only succeeds once every chunk verified
+    aux = getattr(room, "aux", None)
+    if isinstance(aux, dict):
+        out.update({f"aux.{k}": v for k, v in aux.items() if isinstance(v, int | float | str)})
+    return out
 
 
 class RoomTracer:
@@ -331,18 +342,24 @@ class RoomTracer:
             if value is not None:
                 span.set_attribute(f"pdengine.room.{key}", value)
 
-    def on_transition(self, room: Any, trigger: str, src: Any, dst: Any, late: bool) -> None:
+    def on_transition(self, room: Any, trigger: str, src: Any, dst: Any, absorbed: bool) -> None:
         """The FSM hook: one span event per transition; the span ends at a terminal state."""
         try:
-            self._on_transition(room, trigger, src, dst, late)
+            self._on_transition(room, trigger, src, dst, absorbed)
         except Exception:  # tracing must never break the room actor's loop
             log.exception("room tracing failed for trigger %s", trigger)
 
-    def _on_transition(self, room: Any, trigger: str, src: Any, dst: Any, late: bool) -> None:
+    def _on_transition(self, room: Any, trigger: str, src: Any, dst: Any, absorbed: bool) -> None:
         room_id = int(getattr(room, "room_id", getattr(room, "id", -1)))
-        event = {"from": state_name(src), "to": state_name(dst), "trigger": trigger, "late": late}
+        src_name, dst_name = state_name(src), state_name(dst)
+        event: dict[str, Any] = {"from": src_name, "to": dst_name, "trigger": trigger}
+        # The FSM reports absorbed events with dst == src: late on a terminal room (I1),
+        # invalid (duplicate / out of order) on a live one.
+        event["late"] = absorbed and src_name in TERMINAL_STATES
+        if absorbed and not event["late"]:
+            event["absorbed"] = True
         span = self._live.get(room_id)
-        if span is None and late and room_id in self._ended:
+        if span is None and event["late"] and room_id in self._ended:
             self._trace_late(room_id, event)
             return
         if span is None:
@@ -350,9 +367,9 @@ class RoomTracer:
             if room_id not in self._live:
                 return
         span.add_event("transition", event)
-        if event["to"] in TERMINAL_STATES and not late:
-            self._copy_room_fields(room_id, room)
-            self._end(room_id, event["to"], trigger)
+        if dst_name in TERMINAL_STATES and not absorbed:
+            self.set(room_id, **room_attributes(room))
+            self._end(room_id, dst_name, trigger)
 
     def finish(self, room_id: int, error: BaseException | str | None = None) -> None:
         """Close the room's span if the FSM never terminated it (the request ended first)."""
@@ -363,12 +380,6 @@ class RoomTracer:
             self.set(room_id, failure_reason=str(error))
         span.set_attribute("pdengine.room.closed_by", "request")
         self._end(room_id, None, None)
-
-    def _copy_room_fields(self, room_id: int, room: Any) -> None:
-        for field, key in _ROOM_FIELDS:
-            value = getattr(room, field, None)
-            if isinstance(value, bool | int | float | str) and value != "":
-                self.set(room_id, **{key: value})
 
     def _end(self, room_id: int, state: str | None, trigger: str | None) -> None:
         span = self._live.pop(room_id)
@@ -397,8 +408,8 @@ def compose_hooks(*hooks: Callable[..., None] | None) -> Callable[..., None]:
     """One FSM transition hook that calls each given hook in order (None entries skipped)."""
     active = [h for h in hooks if h is not None]
 
-    def hook(room: Any, trigger: str, src: Any, dst: Any, late: bool) -> None:
+    def hook(room: Any, trigger: str, src: Any, dst: Any, absorbed: bool) -> None:
         for h in active:
-            h(room, trigger, src, dst, late)
+            h(room, trigger, src, dst, absorbed)
 
     return hook

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
-from enum import IntEnum
 from types import SimpleNamespace
 
 import pytest
@@ -13,15 +12,11 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from pdengine.fsm import RoomActor, RoomState
+from pdengine.fsm.events import Abort, Bootstrapped, ChunkDone, ChunkSent, CreateRoom
 from pdengine.telemetry import tracing
 
-
-class State(IntEnum):  # same names and values as pdengine.fsm.RoomState
-    FAILED = 0
-    BOOTSTRAPPING = 1
-    WAITING_FOR_INPUT = 2
-    TRANSFERRING = 3
-    SUCCESS = 4
+State = RoomState
 
 
 @pytest.fixture
@@ -87,48 +82,59 @@ def test_client_traceparent_becomes_the_routers_parent(otel) -> None:
     assert spans["generate tiny"].parent.span_id == outer.get_span_context().span_id
 
 
-def test_room_events_in_order_and_span_ends_at_terminal(otel) -> None:
+def _actor_with(rooms: tracing.RoomTracer) -> tuple[RoomActor, list[float]]:
+    now = [0.0]
+    return RoomActor(clock=lambda: now[0], hook=rooms.on_transition), now
+
+
+def test_real_room_transitions_in_order_and_span_ends_at_terminal(otel) -> None:
     rooms = tracing.RoomTracer("decode", tracer=otel.tracer)
-    room = SimpleNamespace(room_id=11, num_pages=3, checksum_ok=True, reason="")
-    rooms.bind(11)
-    steps = [
-        ("bootstrapped", State.BOOTSTRAPPING, State.WAITING_FOR_INPUT),
-        ("chunk_sent", State.WAITING_FOR_INPUT, State.TRANSFERRING),
-        ("chunk_done", State.TRANSFERRING, State.TRANSFERRING),
-    ]
-    for trigger, src, dst in steps:
-        rooms.on_transition(room, trigger, src, dst, False)
+    actor, _ = _actor_with(rooms)
+    rooms.bind(11, tokens=40)
+    actor.apply(CreateRoom(11, "decode", peer="p0", pages=(3, 4, 5)))
+    actor.apply(Bootstrapped(11, peer="p0"))
+    actor.apply(ChunkDone(11, chunk=0))
+    actor.apply(ChunkDone(11, chunk=0))  # duplicate delivery: absorbed, not late
     assert otel.exporter.get_finished_spans() == ()  # not terminal yet
     assert rooms.live_rooms == 1
-    rooms.on_transition(room, "succeed", State.TRANSFERRING, State.SUCCESS, False)
+    actor.apply(ChunkDone(11, chunk=1, is_last=True, aux={"first_token": 42}))
     (span,) = otel.exporter.get_finished_spans()
     assert rooms.live_rooms == 0
     seen = [(e.attributes["trigger"], e.attributes["from"], e.attributes["to"]) for e in span.events]
     assert seen == [
-        ("bootstrapped", "BOOTSTRAPPING", "WAITING_FOR_INPUT"),
-        ("chunk_sent", "WAITING_FOR_INPUT", "TRANSFERRING"),
+        ("bootstrap", "BOOTSTRAPPING", "WAITING_FOR_INPUT"),
+        ("chunk_done", "WAITING_FOR_INPUT", "TRANSFERRING"),
+        ("chunk_done", "TRANSFERRING", "TRANSFERRING"),
         ("chunk_done", "TRANSFERRING", "TRANSFERRING"),
         ("succeed", "TRANSFERRING", "SUCCESS"),
     ]
-    assert all(e.attributes["late"] is False for e in span.events)
-    assert span.attributes["pdengine.room.pages"] == 3
-    assert span.attributes["pdengine.room.checksum_ok"] is True
-    assert span.attributes["pdengine.room.final_state"] == "SUCCESS"
+    assert [e.attributes.get("absorbed", False) for e in span.events] == [0, 0, 1, 0, 0]
+    assert not any(e.attributes["late"] for e in span.events)
+    attrs = span.attributes
+    assert attrs["pdengine.room.pages"] == 3 and attrs["pdengine.room.tokens"] == 40
+    assert attrs["pdengine.room.chunks"] == 2
+    assert attrs["pdengine.room.checksum"] == "verified"
+    assert attrs["pdengine.room.aux.first_token"] == 42
+    assert attrs["pdengine.room.final_state"] == "SUCCESS"
 
 
-def test_failed_room_records_reason_and_late_event_is_a_marked_child(otel) -> None:
-    rooms = tracing.RoomTracer("prefill", tracer=otel.tracer)
-    room = SimpleNamespace(room_id=5, reason="checksum mismatch in chunk 2")
-    rooms.on_transition(room, "fail", State.TRANSFERRING, State.FAILED, False)  # unbound: root span
-    rooms.on_transition(room, "chunk_done", State.FAILED, State.FAILED, True)  # absorbed late
+def test_checksum_failure_and_late_event_on_a_real_room(otel) -> None:
+    rooms = tracing.RoomTracer("decode", tracer=otel.tracer)
+    actor, _ = _actor_with(rooms)
+    actor.apply(CreateRoom(5, "decode", peer="p0", pages=(1,)))  # unbound: a root span
+    actor.apply(ChunkSent(5, chunk=0))
+    actor.apply(ChunkDone(5, chunk=0, checksum_ok=False))
+    actor.apply(Abort(5, reason="client gone"))  # absorbed by the FAILED room: late
     spans = _by_name(otel.exporter)
-    failed, late = spans["room prefill"], spans["room prefill late event"]
+    failed, late = spans["room decode"], spans["room decode late event"]
+    assert failed.parent is None
     assert failed.status.status_code.name == "ERROR"
-    assert "checksum mismatch" in failed.status.description
-    assert failed.attributes["pdengine.room.failure_reason"] == "checksum mismatch in chunk 2"
+    assert "checksum mismatch in chunk 0" in failed.status.description
+    assert failed.attributes["pdengine.room.checksum"] == "mismatch"
+    assert failed.events[-1].attributes["to"] == "FAILED"
     assert late.parent.span_id == failed.context.span_id
     (event,) = late.events
-    assert event.attributes["late"] is True and event.attributes["trigger"] == "chunk_done"
+    assert event.attributes["late"] is True and event.attributes["trigger"] == "abort"
 
 
 def test_finish_closes_a_room_the_fsm_never_terminated(otel) -> None:
