@@ -4,7 +4,8 @@ Public API (dispatching per ``dispatch.active_backend()``):
 
 - ``store_kv(k, v, k_cache, v_cache, slot_mapping)``
 - ``paged_decode_attention(q, k_cache, v_cache, page_table, seq_lens, sm_scale,
-  num_kv_splits=None) -> out``
+  num_kv_splits=None, max_seq_len=None) -> out`` (``max_seq_len``: optional host-side
+  bound for the split chooser, saves a device sync)
 - ``paged_prefill_attention(q, k_cache, v_cache, page_table, cu_q_lens, seq_lens,
   sm_scale, max_q_len=None) -> out``
 - ``choose_num_kv_splits(batch, num_q_heads, num_kv_heads, max_seq_len, num_sms)``

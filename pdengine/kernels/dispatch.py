@@ -83,9 +83,10 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     sm_scale: float,
     num_kv_splits: int | None = None,
+    max_seq_len: int | None = None,
 ) -> torch.Tensor:
     fn = implementation("paged_decode_attention")
-    return fn(q, k_cache, v_cache, page_table, seq_lens, sm_scale, num_kv_splits)
+    return fn(q, k_cache, v_cache, page_table, seq_lens, sm_scale, num_kv_splits, max_seq_len)
 
 
 def paged_prefill_attention(

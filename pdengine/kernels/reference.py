@@ -22,8 +22,14 @@ def store_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Scatter k, v [T, Hkv, D] into the page views at slot = page*page_size + offset."""
+    """Scatter k, v [T, Hkv, D] into the page views at slot = page*page_size + offset.
+
+    Negative slots are padding and are skipped.
+    """
     check_store(k, v, k_cache, v_cache, slot_mapping)
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
     page_size = k_cache.shape[1]
     pages = torch.div(slot_mapping, page_size, rounding_mode="floor")
     offsets = slot_mapping - pages * page_size
@@ -46,10 +52,12 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     sm_scale: float,
     num_kv_splits: int | None = None,
+    max_seq_len: int | None = None,
 ) -> torch.Tensor:
     """One new token per sequence: q [B, Hq, D] attends to its seq_lens[b] cached tokens.
 
-    ``num_kv_splits`` is accepted for signature parity and ignored: the twin is exact.
+    ``num_kv_splits`` and ``max_seq_len`` are accepted for signature parity and
+    ignored: the twin is exact and reads the lengths itself.
     """
     check_decode(q, k_cache, v_cache, page_table, seq_lens, num_kv_splits)
     b, hq, d = q.shape
