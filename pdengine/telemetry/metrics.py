@@ -17,7 +17,8 @@ Usage::
 Methods
 -------
 - ``on_room_transition(room, trigger, src, dst, late)``: the FSM transition
-  hook. Counts ``late_events_total`` when ``late``. When a room enters FAILED:
+  hook (``late`` is the FSM's "absorbed" flag). Counts ``late_events_total``
+  for an event absorbed by a terminal room. When a room enters FAILED:
   a trigger containing ``abort`` counts ``num_aborted_requests_total`` only;
   any other failure counts ``num_bootstrap_failed_reqs_total`` if it left
   BOOTSTRAPPING, else ``num_transfer_failed_reqs_total``, and in addition
@@ -132,9 +133,14 @@ class Metrics:
     # -- FSM hook ---------------------------------------------------------------------------
 
     def on_room_transition(self, room: Any, trigger: str, src: Any, dst: Any, late: bool) -> None:
-        """Transition hook of the room FSM: count late events and failures by cause."""
+        """Transition hook of the room FSM: count late events and failures by cause.
+
+        `late` is the FSM's "absorbed" flag: an absorbed event on a terminal room
+        is a late event; one absorbed on a live room (invalid order) is not counted.
+        """
         if late:
-            self._counters["late_events"].inc()
+            if state_name(src) in ("SUCCESS", "FAILED"):
+                self._counters["late_events"].inc()
             return
         if state_name(dst) != "FAILED" or state_name(src) == "FAILED":
             return

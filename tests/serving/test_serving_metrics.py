@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from pdengine.fsm import Room
 from pdengine.telemetry.metrics import METRIC_NAMES, Metrics, state_name
 
 
@@ -48,6 +49,7 @@ def test_transition_hook_counts_by_cause() -> None:
     m.on_room_transition(room, "fail", "TRANSFERRING", "FAILED", False)
     m.on_room_transition(SimpleNamespace(reason="checksum mismatch"), "fail", 3, 0, False)
     m.on_room_transition(room, "chunk_done", 0, 0, True)
+    m.on_room_transition(room, "succeed", 1, 1, True)  # absorbed on a live room: not late
     m.on_room_transition(room, "bootstrapped", 1, 2, False)  # not a failure: no counter
     s = _samples(m)
     role = (("role", "prefill"),)
@@ -88,3 +90,19 @@ def test_histograms_observe() -> None:
 def test_state_name_normalises() -> None:
     assert state_name(0) == state_name("failed") == state_name("RoomState.FAILED") == "FAILED"
     assert state_name(SimpleNamespace(name="success")) == "SUCCESS"
+
+
+def test_hook_driven_by_a_real_room() -> None:
+    m = Metrics("decode")
+    room = Room(5, "decode", hook=m.on_room_transition)
+    room.bootstrap()
+    room.reason = "checksum mismatch in chunk 0"
+    room.fail()
+    room.chunk_done()  # late: the room is FAILED
+    room.abort()  # late as well; not an abort of a live request
+    s = _samples(m)
+    role = (("role", "decode"),)
+    assert s[("pdengine_checksum_failures_total", role)] == 1
+    assert s[("pdengine_num_transfer_failed_reqs_total", role)] == 1
+    assert s[("pdengine_late_events_total", role)] == 2
+    assert s[("pdengine_num_aborted_requests_total", role)] == 0
