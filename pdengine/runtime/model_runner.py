@@ -1,0 +1,86 @@
+"""ModelRunner: turns a scheduled step into a ForwardBatch, runs the model, samples.
+
+It is the one object that touches the device for a worker: the KV pool and
+the model. `step()` is synchronous and meant to run in the engine's compute
+thread; nothing else may use the pool or the model meanwhile.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from pdengine.cache import KVPool
+from pdengine.model.forward_batch import ForwardBatch
+from pdengine.runtime.sampler import sample
+from pdengine.runtime.scheduler import ScheduledStep
+
+
+class ForwardModel(Protocol):
+    def forward(self, batch: ForwardBatch, kv_pool: torch.Tensor) -> torch.Tensor: ...
+
+
+class ModelRunner:
+    def __init__(self, model: ForwardModel, kv_pool: KVPool) -> None:
+        self.model = model
+        self.kv_pool = kv_pool
+        self.device = kv_pool.device
+
+    def build_batch(self, step: ScheduledStep) -> ForwardBatch:
+        ps = self.kv_pool.page_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        cu = [0]
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        for it in step.items:
+            seq, table = it.seq, it.seq.page_table
+            assert table is not None, f"{seq} is scheduled without pages"
+            input_ids += seq.token_ids[it.start : it.end]
+            positions += range(it.start, it.end)
+            slots += table.slots(it.start, it.end)
+            cu.append(cu[-1] + it.num_tokens)
+            seq_lens.append(it.end)
+            tables.append(table.pages[: -(-it.end // ps)])
+        width = max(len(t) for t in tables)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        dev = self.device
+        cu_t = torch.tensor(cu, dtype=torch.int32, device=dev)
+        return ForwardBatch(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            cu_q_lens=cu_t,
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            page_table=torch.tensor(padded, dtype=torch.int32, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            is_decode=step.is_decode,
+            logits_indices=(cu_t[1:] - 1).to(torch.int64),
+        )
+
+    @torch.inference_mode()
+    def forward(self, step: ScheduledStep) -> torch.Tensor:
+        """Logits [B, vocab] fp32 of each scheduled sequence's last new token."""
+        return self.model.forward(self.build_batch(step), self.kv_pool.tensor)
+
+    @torch.inference_mode()
+    def step(self, step: ScheduledStep) -> tuple[list[int], list[dict[int, float] | None]]:
+        """Forward, then sample the rows that finish their known tokens (-1 elsewhere).
+
+        Rows in the middle of a chunked prefill are not sampled, so a seeded
+        request draws the same random numbers however its prompt was chunked.
+        """
+        logits = self.forward(step)
+        rows = [k for k, it in enumerate(step.items) if it.samples]
+        tokens = [-1] * len(step.items)
+        logprobs: list[dict[int, float] | None] = [None] * len(step.items)
+        if rows:
+            if len(rows) < len(step.items):
+                logits = logits[rows]
+            got, lps = sample(logits, [step.items[k].seq for k in rows])
+            for j, k in enumerate(rows):
+                tokens[k] = got[j]
+                if lps is not None:
+                    logprobs[k] = lps[j]
+        return tokens, logprobs
