@@ -1,0 +1,145 @@
+"""Checkpoint loading: shards, dtypes, and clear errors for what cannot be loaded."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from model_checkpoints import make_hf_checkpoint
+from model_paging import PagedRunner
+
+from pdengine.model import (
+    CheckpointFileMissingError,
+    Model,
+    ModelLoadError,
+    ModelNotFoundError,
+    UnsupportedArchitectureError,
+    resolve_model,
+)
+from pdengine.types import PDEngineError
+
+PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32]
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory) -> Path:
+    return make_hf_checkpoint(tmp_path_factory.mktemp("sharded") / "llama", "llama", seed=7,
+                              max_shard_size="40KB")
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_sharded_checkpoint_loads_with_parity(sharded):
+    import transformers
+
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    model = Model.load(sharded)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(sharded, dtype=torch.float32)
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor([PROMPT])).logits[0, -1]
+    assert (PagedRunner(model).step({0: PROMPT})[0] - ref).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_dtype_override_runs_in_that_dtype(hf_checkpoints, dtype):
+    ref = Model.load(hf_checkpoints["qwen3"])
+    model = Model.load(hf_checkpoints["qwen3"], dtype=dtype)
+    assert model.dtype == getattr(torch, dtype) and model.config.dtype == dtype
+    assert model.kv_layout(8, 4).dtype == dtype
+    logits = PagedRunner(model).step({0: PROMPT})
+    assert logits.dtype == torch.float32
+    # Half precision: close to fp32 in shape, not bit-identical.
+    full = PagedRunner(ref).step({0: PROMPT})
+    assert (logits - full).abs().max() < 0.1 * full.abs().max()
+
+
+def test_config_dtype_is_the_default(hf_checkpoints, tmp_path):
+    ckpt = _copy(hf_checkpoints["llama"], tmp_path / "c")
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["dtype"] = "bfloat16"
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    assert Model.load(ckpt).dtype == torch.bfloat16
+
+
+def test_kv_layout_matches_the_config(hf_checkpoints):
+    model = Model.load(hf_checkpoints["qwen2"])
+    assert model.kv_layout(10, 16).shape == (10, 2, 2, 16, 2, 16)
+
+
+def test_missing_config_is_a_clear_error(hf_checkpoints, tmp_path):
+    ckpt = _copy(hf_checkpoints["llama"], tmp_path / "c")
+    (ckpt / "config.json").unlink()
+    with pytest.raises(CheckpointFileMissingError, match=r"config\.json") as err:
+        Model.load(ckpt)
+    assert isinstance(err.value, PDEngineError)
+
+
+def test_missing_weights_is_a_clear_error(hf_checkpoints, tmp_path):
+    ckpt = _copy(hf_checkpoints["llama"], tmp_path / "c")
+    (ckpt / "model.safetensors").unlink()
+    with pytest.raises(CheckpointFileMissingError, match="safetensors"):
+        Model.load(ckpt)
+
+
+def test_missing_shard_is_a_clear_error(sharded, tmp_path):
+    ckpt = _copy(sharded, tmp_path / "c")
+    victim = sorted(ckpt.glob("model-*.safetensors"))[-1]
+    victim.unlink()
+    with pytest.raises(CheckpointFileMissingError, match=re.escape(victim.name)):
+        Model.load(ckpt)
+
+
+def test_unsupported_architecture_is_a_clear_error(hf_checkpoints, tmp_path):
+    ckpt = _copy(hf_checkpoints["llama"], tmp_path / "c")
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedArchitectureError, match=r"GPT2LMHeadModel.*LlamaForCausalLM"):
+        Model.load(ckpt)
+
+
+def test_tensors_the_config_does_not_explain_are_rejected(hf_checkpoints, tmp_path):
+    # A Qwen3 checkpoint (q/k norms) relabelled as Llama must not load silently.
+    ckpt = _copy(hf_checkpoints["qwen3"], tmp_path / "c")
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["architectures"] = ["LlamaForCausalLM"]
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="q_norm"):
+        Model.load(ckpt)
+
+
+def test_wrong_tensor_shape_is_rejected(hf_checkpoints, tmp_path):
+    ckpt = _copy(hf_checkpoints["llama"], tmp_path / "c")
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["intermediate_size"] = 128
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=r"gate_proj.*shape"):
+        Model.load(ckpt)
+
+
+def test_bad_dtype_is_rejected(hf_checkpoints):
+    with pytest.raises(ModelLoadError, match="int8"):
+        Model.load(hf_checkpoints["llama"], dtype="int8")
+
+
+def test_unknown_model_reference(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="no-such-model") as err:
+        resolve_model(tmp_path / "no-such-model")
+    assert err.value.http_status == 404
+    assert resolve_model(tmp_path) == tmp_path
+
+
+def test_kv_pool_of_the_wrong_shape_is_rejected(hf_checkpoints):
+    model = Model.load(hf_checkpoints["llama"])
+    runner = PagedRunner(model)
+    runner.pool = torch.zeros(8, 3, 2, 4, 2, 16)
+    with pytest.raises(ValueError, match="kv_pool shape"):
+        runner.step({0: PROMPT})
