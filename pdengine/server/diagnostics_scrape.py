@@ -114,13 +114,15 @@ def scrape_all(client: httpx.Client, workers: list[WorkerRef]) -> list[Scrape]:
     return [scrape(client, w) for w in workers]
 
 
-def idle_report(scrapes: list[Scrape], baseline_pages: float = 0.0) -> dict[str, float]:
-    """Non-idle gauges summed over workers (empty when idle), plus leaked pages and pins."""
+def idle_report(scrapes: list[Scrape], baseline_pages: float | None = 0.0) -> dict[str, float]:
+    """Non-idle gauges summed over workers (empty when idle), plus live rooms and the KV pages
+    above `baseline_pages` (not checked when it is None)."""
     busy = {name: sum(s.total(name) for s in scrapes) for name in IDLE_GAUGES}
     busy = {name: v for name, v in busy.items() if v}
-    pages = sum(s.total("kv_pages_used") for s in scrapes) - baseline_pages
-    if pages:
-        busy["kv_pages_used_above_idle"] = pages
+    if baseline_pages is not None:
+        pages = sum(s.total("kv_pages_used") for s in scrapes) - baseline_pages
+        if pages:
+            busy["kv_pages_used_above_idle"] = pages
     rooms = sum(s.nonterminal_rooms() for s in scrapes)
     if rooms:
         busy["nonterminal_rooms"] = rooms
