@@ -96,7 +96,11 @@ class RoomActor(RoomCore):
         self._send.close()
 
     async def post(self, event: Event) -> None:
-        await self._send.send(event)
+        """Queue `event`; waits only while the mailbox is full (like `asyncio.Queue.put`)."""
+        try:
+            self._send.send_nowait(event)
+        except anyio.WouldBlock:
+            await self._send.send(event)
 
     def post_nowait(self, event: Event) -> None:
         try:

@@ -6,6 +6,9 @@ caps room churn far below the 5,000 lifecycles/s a worker needs. Instead each
 table gets ONE machine bound to a private cursor model; a transition loads the
 object's state into the cursor, runs the real `transitions` event (its source
 check, its `final` states) and reads the destination back (~9 µs per trigger).
+Internal rows (state kept, e.g. transfer progress) are answered from the
+compiled table: the tables carry no callbacks, so `transitions` would do
+nothing for them but cost 4.5 µs, and they are most of a room's events.
 This is safe because an FSM table is only ever driven from one actor task.
 
 Absorption (DESIGN.md I1) is decided before `transitions` is asked: a trigger
@@ -53,7 +56,8 @@ class TableMachine:
                     raise ValueError(f"{name}: duplicate transition {key}")
                 if key[0] in self.final:
                     raise ValueError(f"{name}: transition out of final state {key}")
-                self.valid[key] = states(row["dest"])
+                # dest None: a `transitions` internal transition (state kept, no exit/enter)
+                self.valid[key] = key[0] if row["dest"] is None else states(row["dest"])
         state_defs = [{"name": s, "final": s in self.final} for s in states]
         self._cursor = _Cursor()
         self._machine = Machine(
@@ -72,8 +76,11 @@ class TableMachine:
 
     def fire(self, state: IntEnum, trigger: str) -> IntEnum | None:
         """Destination of `trigger` from `state` via `transitions`, or None if absorbed."""
-        if state in self.final or (state, trigger) not in self.valid:
-            return None
+        dst = None if state in self.final else self.valid.get((state, trigger))
+        if dst is None or dst is state:
+            # absorbed, or an internal progress row: tables carry no callbacks, so
+            # `transitions` would run nothing for it; skip its ~4.5 µs
+            return dst
         cursor = self._cursor
         cursor.state = state
         self._events[trigger].trigger(cursor)

@@ -7,6 +7,10 @@ States keep the KVPoll integers. The table is data, handed to `transitions`
     TRANSFERRING --chunk_sent|chunk_done--> TRANSFERRING (progress) --succeed--> SUCCESS
     every non-terminal state --abort|fail|timeout--> FAILED
 
+Progress rows (`dest: None`) are `transitions` *internal* transitions: the
+state stays and no exit/enter runs; the actor restarts the progress deadline
+on them (see `machine.py` for how they are executed cheaply).
+
 A chunk event is also accepted in BOOTSTRAPPING: a chunk proves the peer
 bootstrapped, so a bootstrap acknowledgement that loses the race to the first
 chunk must not strand the room.
@@ -50,8 +54,10 @@ TERMINAL: tuple[RoomState, ...] = (RoomState.SUCCESS, RoomState.FAILED)
 
 ROOM_TRANSITIONS: list[dict[str, Any]] = [
     {"trigger": "bootstrap", "source": [_B], "dest": _W},
-    {"trigger": "chunk_sent", "source": [_B, _W, _T], "dest": _T},
-    {"trigger": "chunk_done", "source": [_B, _W, _T], "dest": _T},
+    {"trigger": "chunk_sent", "source": [_B, _W], "dest": _T},
+    {"trigger": "chunk_sent", "source": [_T], "dest": None},  # progress: internal transition
+    {"trigger": "chunk_done", "source": [_B, _W], "dest": _T},
+    {"trigger": "chunk_done", "source": [_T], "dest": None},
     {"trigger": "succeed", "source": [_T], "dest": RoomState.SUCCESS},
     {"trigger": "abort", "source": list(NON_TERMINAL), "dest": RoomState.FAILED},
     {"trigger": "fail", "source": list(NON_TERMINAL), "dest": RoomState.FAILED},
