@@ -73,11 +73,27 @@ def load_config(checkpoint: Path, dtype: object | None = None) -> ModelConfig:
     path = Path(checkpoint) / "config.json"
     if not path.is_file():
         raise CheckpointFileMissingError(path, "the model config")
+    raw = _read_json(path)
+    generation = Path(checkpoint) / "generation_config.json"
+    if generation.is_file():
+        # Chat models often list their end-of-turn token only here (e.g. Llama 3 Instruct).
+        eos = _token_ids(raw.get("eos_token_id"))
+        extra = _token_ids(_read_json(generation).get("eos_token_id"))
+        raw = {**raw, "eos_token_id": [*eos, *(t for t in extra if t not in eos)]}
+    return parse_config(raw, dtype=dtype)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
     try:
-        raw = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise ModelLoadError(f"{path}: not valid JSON ({exc})") from exc
-    return parse_config(raw, dtype=dtype)
+
+
+def _token_ids(value: object) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(int(v) for v in value) if isinstance(value, list) else (int(value),)
 
 
 def parse_config(raw: Mapping[str, Any], dtype: object | None = None) -> ModelConfig:
@@ -91,8 +107,8 @@ def parse_config(raw: Mapping[str, Any], dtype: object | None = None) -> ModelCo
     hidden = _int(raw, "hidden_size")
     heads = _int(raw, "num_attention_heads")
     rope_theta, scaling = _rope(raw)
-    eos = raw.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ModelLoadError(f"hidden_act {raw['hidden_act']!r} is not supported (silu only)")
     chosen = dtype if dtype is not None else raw.get("dtype") or raw.get("torch_dtype")
     return ModelConfig(
         architecture=arch,
@@ -110,7 +126,7 @@ def parse_config(raw: Mapping[str, Any], dtype: object | None = None) -> ModelCo
         flags=ARCHITECTURES[arch](raw),
         max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
         bos_token_id=raw.get("bos_token_id"),
-        eos_token_ids=eos_ids,
+        eos_token_ids=_token_ids(raw.get("eos_token_id")),
         dtype=normalize_dtype(chosen or "float32"),
     )
 

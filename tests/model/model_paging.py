@@ -16,7 +16,8 @@ class PagedRunner:
     def __init__(self, model: Model, num_pages: int = 96, page_size: int = 4, seed: int = 0):
         self.model = model
         self.page_size = page_size
-        self.pool = torch.zeros(model.kv_layout(num_pages, page_size).shape, dtype=model.dtype)
+        self.pool = torch.zeros(model.kv_layout(num_pages, page_size).shape, dtype=model.dtype,
+                                device=model.device)
         gen = torch.Generator().manual_seed(seed)
         self.free_pages = torch.randperm(num_pages, generator=gen).tolist()
         self.pages: dict[int, list[int]] = {}
@@ -41,17 +42,18 @@ class PagedRunner:
         max_pages = max(len(self.pages[s]) for s in new_tokens)
         table = [self.pages[s] + [0] * (max_pages - len(self.pages[s])) for s in new_tokens]
         cu = torch.tensor([0, *q_lens]).cumsum(0)
+        dev = self.model.device
         batch = ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.int64),
-            positions=torch.tensor(positions, dtype=torch.int64),
-            cu_q_lens=cu.to(torch.int32),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            page_table=torch.tensor(table, dtype=torch.int32),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            cu_q_lens=cu.to(device=dev, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            page_table=torch.tensor(table, dtype=torch.int32, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             is_decode=all(n == 1 for n in q_lens),
-            logits_indices=(cu[1:] - 1).to(torch.int64),
+            logits_indices=(cu[1:] - 1).to(device=dev, dtype=torch.int64),
         )
-        return self.model.forward(batch, self.pool)
+        return self.model.forward(batch, self.pool).cpu()
 
 
 def greedy_generate(model: Model, prompts: list[list[int]], max_new_tokens: int,

@@ -17,9 +17,11 @@ from pdengine.model import (
     Model,
     ModelLoadError,
     ModelNotFoundError,
+    RopeScaling,
     UnsupportedArchitectureError,
     resolve_model,
 )
+from pdengine.model.config import parse_config
 from pdengine.types import PDEngineError
 
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32]
@@ -143,3 +145,35 @@ def test_kv_pool_of_the_wrong_shape_is_rejected(hf_checkpoints):
     runner.pool = torch.zeros(8, 3, 2, 4, 2, 16)
     with pytest.raises(ValueError, match="kv_pool shape"):
         runner.step({0: PROMPT})
+
+
+def test_legacy_and_current_config_formats_agree():
+    """transformers < 5 wrote rope_theta + rope_scaling + torch_dtype; 5.x writes rope_parameters."""
+    common = {"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8,
+              "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2}
+    scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+    legacy = parse_config({**common, "rope_theta": 5e5, "torch_dtype": "bfloat16",
+                           "rope_scaling": {"rope_type": "llama3", **scaling}})
+    current = parse_config({**common, "dtype": "bfloat16", "rope_parameters": {
+        "rope_type": "llama3", "rope_theta": 5e5, **scaling}})
+    assert legacy == current
+    assert legacy.rope_scaling == RopeScaling("llama3", 8.0, 1.0, 4.0, 64)
+    assert legacy.num_kv_heads == 2 and legacy.head_dim == 4
+
+
+@pytest.mark.parametrize(("key", "value", "message"), [
+    ("hidden_act", "gelu", "hidden_act"),
+    ("rope_parameters", {"rope_type": "yarn", "factor": 4.0}, "yarn"),
+    ("use_sliding_window", True, "sliding-window"),
+])
+def test_unsupported_config_features_are_rejected(hf_checkpoints, key, value, message):
+    raw = json.loads((hf_checkpoints["llama"] / "config.json").read_text())
+    with pytest.raises(ModelLoadError, match=message):
+        parse_config({**raw, key: value})
+
+
+def test_generation_config_adds_end_of_turn_tokens(hf_checkpoints, tmp_path):
+    ckpt = _copy(hf_checkpoints["llama"], tmp_path / "c")
+    (ckpt / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 9]}))
+    assert Model.load(ckpt).config.eos_token_ids == (2, 9)

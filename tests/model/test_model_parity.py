@@ -95,3 +95,21 @@ def test_llama3_rope_scaling_is_applied(hf_checkpoints, hf_models):
     assert (PagedRunner(model).step({0: PROMPTS[2]})[0] - ref).abs().max() <= TOL
     model.rotary = Rotary(cfg.head_dim, cfg.rope_theta, None)
     assert (PagedRunner(model).step({0: PROMPTS[2]})[0] - ref).abs().max() > 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_triton_path_matches_transformers(hf_checkpoints, hf_models):
+    """On CUDA the kernels dispatch to Triton (fp32 dots may use TF32: looser tolerance)."""
+    model = Model.load(hf_checkpoints["qwen3"], device="cuda")
+    runner = PagedRunner(model)
+    seqs = {i: list(p) for i, p in enumerate(PROMPTS)}
+    logits = runner.step(dict(seqs))
+    for _ in range(4):
+        nxt = logits.argmax(-1).tolist()
+        for i, tok in enumerate(nxt):
+            seqs[i].append(tok)
+        logits = runner.step({i: [tok] for i, tok in enumerate(nxt)})
+    for i in seqs:
+        ref = reference(hf_models["qwen3"], seqs[i])[-1]
+        assert (logits[i] - ref).abs().max() <= 2e-2 * ref.abs().max()
