@@ -162,17 +162,17 @@ class RoomCore:
         done = self._results.get(room_id)
         return done[0] if done else None
 
-    def gauges(self) -> dict[str, Any]:
-        now = self._clock()
-        oldest = 0.0
+    def oldest_nonterminal_age_s(self) -> float:
         for room in self._rooms.values():  # creation order: the first non-terminal is oldest
             if not room.state.terminal:
-                oldest = now - room.created_at
-                break
+                return self._clock() - room.created_at
+        return 0.0
+
+    def gauges(self) -> dict[str, Any]:
         return {
             "rooms": len(self._rooms),
             "by_state": {s.name: n for s, n in self._by_state.items()},
-            "oldest_nonterminal_age_s": oldest,
+            "oldest_nonterminal_age_s": self.oldest_nonterminal_age_s(),
             "quarantined_pages": sum(len(r.pages) for r in self._rooms.values() if r.quarantined),
         }
 
