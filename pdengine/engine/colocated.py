@@ -19,6 +19,7 @@ Lifecycle:
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
@@ -152,7 +153,7 @@ class ColocatedEngine(EngineBase):
             self._failure = exc
             err = RequestFailedError(f"the engine loop failed: {exc!r}")
             for req in self._requests.values():
-                req.send.send_nowait(err)
+                _send(req, err)
                 req.send.close()
             self._requests.clear()
             raise
@@ -171,7 +172,7 @@ class ColocatedEngine(EngineBase):
                 self.scheduler.add(req.seq)
             except InvalidRequestError as exc:  # checked at submit; kept so one request can't kill the loop
                 self._requests.pop(req.seq.request_id, None)
-                req.send.send_nowait(exc)
+                _send(req, exc)
                 req.send.close()
         aborts, self._aborts = self._aborts, set()
         for rid in aborts:
@@ -185,7 +186,7 @@ class ColocatedEngine(EngineBase):
             req = self._requests.get(seq.request_id)
             if req is None:
                 continue
-            req.send.send_nowait(self._delta(req, [seq.token_ids[-1]]))
+            _send(req, self._delta(req, [seq.token_ids[-1]]))
             if seq.is_finished:
                 self._finish_request(seq.request_id, seq.finish_reason or "stop", send_final=False)
 
@@ -215,7 +216,7 @@ class ColocatedEngine(EngineBase):
         if send_final:
             if not req.seq.is_finished:
                 self.scheduler.finish(req.seq, reason)
-            req.send.send_nowait(self._delta(req, []))
+            _send(req, self._delta(req, []))
         key = "requests_aborted" if req.seq.finish_reason == "abort" else "requests_finished"
         self._counters[key] += 1
         req.send.close()
@@ -223,3 +224,9 @@ class ColocatedEngine(EngineBase):
 
 def _holdback(seq: Sequence) -> int:
     return seq.output_text.holdback if seq.output_text is not None else 0
+
+
+def _send(req: _Request, item: StreamDelta | BaseException) -> None:
+    """Deliver to the request's stream; a caller that already left is not an error."""
+    with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+        req.send.send_nowait(item)

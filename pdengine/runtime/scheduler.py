@@ -53,10 +53,7 @@ class ScheduledSeq:
 @dataclass
 class ScheduledStep:
     items: list[ScheduledSeq]
-
-    @property
-    def is_decode(self) -> bool:
-        return all(it.num_tokens == 1 and it.seq.status is SeqStatus.DECODING for it in self.items)
+    is_decode: bool  # every item is a decoding sequence's one new token
 
     @property
     def num_tokens(self) -> int:
@@ -159,8 +156,9 @@ class Scheduler:
         preempted_before = self.num_preemptions
         items = self._schedule_decodes()
         # Pages just freed by a preemption go to the decodes that needed them, not to admissions.
+        num_decodes = len(items)
         items += self._schedule_prefills(admit=self.num_preemptions == preempted_before)
-        return ScheduledStep(items) if items else None
+        return ScheduledStep(items, is_decode=len(items) == num_decodes) if items else None
 
     def _schedule_decodes(self) -> list[ScheduledSeq]:
         items: list[ScheduledSeq] = []
