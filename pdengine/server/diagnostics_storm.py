@@ -32,6 +32,7 @@ from pdengine.server.diagnostics_scrape import (
 
 CUT_BEFORE_FIRST_TOKEN = "before_first_token"
 CUT_MID_DECODE = "mid_decode"
+SETTLE_S = 0.6  # idle must hold this long (longer than a worker's gauge refresh period)
 
 
 @dataclass(frozen=True)
@@ -134,14 +135,25 @@ async def _one_stream(
 async def _wait_idle(
     client: httpx.Client, workers: list[WorkerRef], baseline_pages: float | None, timeout_s: float
 ) -> tuple[float, dict[str, float]]:
-    """Seconds until every worker is idle, and what is still busy if it never gets there."""
+    """Seconds until every worker is idle, and what is still busy if it never gets there.
+
+    Workers refresh their gauges periodically, so idle only counts once it held for
+    `SETTLE_S`; the drain time is when that idle streak began.
+    """
     start = time.monotonic()
     busy: dict[str, float] = {}
-    while time.monotonic() - start < timeout_s:
+    idle_since: float | None = None
+    while (now := time.monotonic()) - start < timeout_s + SETTLE_S:
         scrapes = await anyio.to_thread.run_sync(scrape_all, client, workers)
         busy = idle_report(scrapes, baseline_pages)
-        if not busy:
-            return time.monotonic() - start, {}
+        if busy:
+            idle_since = None
+            if now - start >= timeout_s:
+                break
+        elif idle_since is None:
+            idle_since = now
+        elif now - idle_since >= SETTLE_S:
+            return idle_since - start, {}
         await anyio.sleep(0.05)
     return time.monotonic() - start, busy
 
