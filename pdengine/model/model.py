@@ -72,6 +72,8 @@ class Model:
                 kv_pool.shape[4:] != (cfg.num_kv_heads, cfg.head_dim):
             raise ValueError(f"kv_pool shape {tuple(kv_pool.shape)} does not match "
                              f"{self.kv_layout(kv_pool.shape[0], kv_pool.shape[3]).shape}")
+        if kv_pool.dtype != self.dtype:
+            raise ValueError(f"kv_pool dtype {kv_pool.dtype} differs from the model's {self.dtype}")
         hidden = F.embedding(batch.input_ids, self.embed)
         cos_sin = self.rotary.cos_sin(batch.positions, hidden.dtype)
         for i, layer in enumerate(self.layers):

@@ -38,7 +38,12 @@ class Tokenizer:
         except Exception as exc:  # the Rust error type is not importable
             raise ModelLoadError(f"{path}: cannot be read as a tokenizer ({exc})") from exc
         settings_path = checkpoint / "tokenizer_config.json"
-        settings = json.loads(settings_path.read_text()) if settings_path.is_file() else {}
+        settings: dict[str, Any] = {}
+        if settings_path.is_file():
+            try:
+                settings = json.loads(settings_path.read_text())
+            except json.JSONDecodeError as exc:
+                raise ModelLoadError(f"{settings_path}: not valid JSON ({exc})") from exc
         return cls(tok, settings, _chat_template(checkpoint, settings))
 
     @property

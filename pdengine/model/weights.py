@@ -48,11 +48,14 @@ def load_tensors(checkpoint: Path, dtype: torch.dtype, device: str | torch.devic
 
 
 class TensorSource:
-    """Hands out named tensors once each and reports what is missing or left over."""
+    """Hands out named tensors once each and reports what is missing or left over.
+
+    A taken tensor is dropped from the source, so fusing (q|k|v, gate|up) does not
+    keep a second copy of the weights alive while the model is built.
+    """
 
     def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
         self._tensors = tensors
-        self._used: set[str] = set()
 
     def has(self, name: str) -> bool:
         return name in self._tensors
@@ -65,8 +68,8 @@ class TensorSource:
             raise ModelLoadError(
                 f"tensor {name!r} has shape {tuple(tensor.shape)}; the config implies {shape}"
             )
-        self._used.add(name)
+        del self._tensors[name]
         return tensor
 
     def unused(self) -> list[str]:
-        return sorted(set(self._tensors) - self._used)
+        return sorted(self._tensors)

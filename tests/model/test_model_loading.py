@@ -177,3 +177,11 @@ def test_generation_config_adds_end_of_turn_tokens(hf_checkpoints, tmp_path):
     ckpt = _copy(hf_checkpoints["llama"], tmp_path / "c")
     (ckpt / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 9]}))
     assert Model.load(ckpt).config.eos_token_ids == (2, 9)
+
+
+def test_kv_pool_of_the_wrong_dtype_is_rejected(hf_checkpoints):
+    model = Model.load(hf_checkpoints["llama"])
+    runner = PagedRunner(model)
+    runner.pool = runner.pool.to(torch.bfloat16)
+    with pytest.raises(ValueError, match="kv_pool dtype"):
+        runner.step({0: PROMPT})
