@@ -99,14 +99,20 @@ def scrape(client: httpx.Client, worker: WorkerRef) -> Scrape:
         resp.raise_for_status()
     except httpx.HTTPError as exc:
         raise DiagnosticsError(f"cannot read {worker.url}/metrics: {exc}") from exc
+    result = parse_exposition(worker, resp.text)
+    if not result.samples:
+        raise DiagnosticsError(f"{worker.url}/metrics has no pdengine_ metrics")
+    return result
+
+
+def parse_exposition(worker: WorkerRef, text: str) -> Scrape:
+    """The pdengine_ samples of a Prometheus text exposition."""
     result = Scrape(worker)
-    for family in text_string_to_metric_families(resp.text):
+    for family in text_string_to_metric_families(text):
         for s in family.samples:
             if s.name.startswith(PREFIX):
                 key = (s.name, tuple(sorted(s.labels.items())))
                 result.samples[key] = result.samples.get(key, 0.0) + float(s.value)
-    if not result.samples:
-        raise DiagnosticsError(f"{worker.url}/metrics has no pdengine_ metrics")
     return result
 
 
