@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels_gpu.py"
 def _load():
     spec = importlib.util.spec_from_file_location("kernels_gpu_bench", SCRIPT)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their module while being built
     spec.loader.exec_module(module)
     return module
 
