@@ -1,0 +1,229 @@
+"""What a prefill and a decode worker share: model + KV pool, room actor, transport, peers.
+
+`WorkerCore.run()` owns every task of the worker in one anyio task group (a
+crash in any task cancels the worker instead of dying silently):
+
+- the room actor (`pdengine.fsm.RoomActor`): the one owner of room state (I3);
+- the transport loop: `transport.progress()` -> events posted to the actor,
+  nothing else (it never sets state);
+- the compute loop (the subclass's `_compute_loop`), whose forward pass runs
+  in a dedicated thread;
+- the peer monitor (heartbeats, I6) for peers that gave a URL.
+
+Subclasses register effect handlers on the actor and implement the role.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import anyio.abc
+
+from pdengine.cache import KVPool
+from pdengine.config import Deadlines, SchedulerConfig
+from pdengine.fsm import RoomActor, RoomState
+from pdengine.fsm.events import Event, PeerFailed
+from pdengine.model import load_model
+from pdengine.runtime import ModelRunner
+from pdengine.telemetry.metrics import Metrics
+from pdengine.transport import KVTransport, make_transport
+from pdengine.workers.liveness import LivenessConfig, PeerMonitor
+from pdengine.workers.peer_client import PeerClient
+
+log = logging.getLogger(__name__)
+
+_BUSY_POLL_S = 0.0005  # transport poll period while rooms are live
+_IDLE_POLL_S = 0.01  # ... and while none is (notifications still arrive: aborts, acks)
+_GAUGE_PERIOD_S = 0.25
+
+
+@dataclass
+class WorkerOptions:
+    """Everything a worker is built from besides the model name."""
+
+    transport: str = "nixl"  # "nixl" | "loopback"
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    deadlines: Deadlines = field(default_factory=Deadlines)
+    liveness: LivenessConfig = field(default_factory=LivenessConfig)
+    cluster_token: str = ""
+    advertise_url: str | None = None  # this worker's base URL, sent to peers for heartbeats
+    checksums: bool = True
+    dtype: str | None = None
+    device: str = "cpu"
+    name: str | None = None
+
+
+class WorkerCore:
+    role = ""
+
+    def __init__(
+        self,
+        model_ref: str,
+        options: WorkerOptions,
+        metrics: Metrics | None = None,
+        loaded: tuple[Any, Any] | None = None,
+    ) -> None:
+        self.options = options
+        self.model_name = str(model_ref)
+        self.name = options.name or f"{self.role}-{uuid.uuid4().hex[:12]}"
+        model, tokenizer = loaded if loaded is not None else load_model(
+            model_ref, dtype=options.dtype, device=options.device
+        )
+        self.model = model
+        self.tokenizer = tokenizer
+        self.vocab_size = model.config.vocab_size
+        cfg = options.scheduler
+        self.max_model_len = min(cfg.max_model_len, model.config.max_position_embeddings)
+        if self.max_model_len != cfg.max_model_len:
+            cfg = SchedulerConfig(**{**cfg.__dict__, "max_model_len": self.max_model_len})
+        self.scheduler_config = cfg
+        self.pool = KVPool(model.kv_layout(cfg.num_pages, cfg.page_size), options.device)
+        self.runner = ModelRunner(model, self.pool)
+        self.metrics = metrics if metrics is not None else Metrics(self.role)
+        self.actor = RoomActor(deadlines=options.deadlines, hook=self._on_transition)
+        self.transport: KVTransport = make_transport(
+            options.transport, self.name, self.role, checksums=options.checksums  # type: ignore[arg-type]
+        )
+        self.transport.register(self.pool.tensor)
+        self.peer_client = PeerClient(options.cluster_token, timeout_s=options.liveness.timeout_s * 5)
+        self.monitor = PeerMonitor(self._probe_peer, self._peer_failed, options.liveness)
+        self._peer_urls: dict[str, str | None] = {}  # transport peer name -> base URL
+        self._compute_limiter = anyio.CapacityLimiter(1)
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._wake = anyio.Event()
+        self._transition_listeners: list[Callable[[Any, RoomState, RoomState], None]] = []
+
+    # ---- lifecycle ----------------------------------------------------------------------
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+                  ) -> None:
+        """Run the worker until cancelled; `task_status.started()` once it accepts requests."""
+        try:
+            async with anyio.create_task_group() as tg:
+                self._tg = tg
+                tg.start_soon(self.actor.run, name=f"{self.name}-actor")
+                tg.start_soon(self._transport_loop, name=f"{self.name}-transport")
+                tg.start_soon(self._compute_loop, name=f"{self.name}-compute")
+                tg.start_soon(self.monitor.run, name=f"{self.name}-liveness")
+                task_status.started()
+        finally:
+            self._tg = None
+            self._on_stop()
+            self.transport.close()
+            with anyio.CancelScope(shield=True):
+                await self.peer_client.aclose()
+
+    @property
+    def running(self) -> bool:
+        return self._tg is not None
+
+    def _require_running(self) -> anyio.abc.TaskGroup:
+        if self._tg is None:
+            raise RuntimeError(f"{self.name} is not running (start it with `run()`)")
+        return self._tg
+
+    def _on_stop(self) -> None:
+        """Subclass hook: fail whatever is still open when the worker stops."""
+
+    async def _compute_loop(self) -> None:
+        raise NotImplementedError
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def _wait_wake(self, timeout_s: float) -> None:
+        with anyio.move_on_after(timeout_s):
+            await self._wake.wait()
+        self._wake = anyio.Event()
+
+    # ---- rooms ----------------------------------------------------------------------------
+
+    def room_state(self, room_id: int) -> RoomState | None:
+        """Current state of a live room (read-only decision input), None when gone."""
+        room = self.actor.get(room_id)
+        return None if room is None else room.state
+
+    def _on_transition(self, room: Any, trigger: str, src: RoomState, dst: RoomState,
+                       absorbed: bool) -> None:
+        self.metrics.on_room_transition(room, trigger, src, dst, absorbed and src.terminal)
+        if not absorbed:
+            for listener in self._transition_listeners:
+                listener(room, src, dst)
+
+    def rooms_snapshot(self) -> list[dict[str, Any]]:
+        rows = self.actor.snapshot()
+        for row in rows:
+            row["deadline_s"] = row.get("deadline_in_s")
+        return rows
+
+    def _room_gauges(self) -> dict[str, Any]:
+        g = self.actor.gauges()
+        by_state = g["by_state"]
+        return {
+            "rooms": by_state,
+            "rooms_live": g["rooms"],
+            "oldest_nonterminal_room_age_seconds": g["oldest_nonterminal_age_s"],
+            "quarantined_pages": g["quarantined_pages"],
+            "kv_pages_used": self.pool.allocator.num_used,
+            "pages_used": self.pool.allocator.num_used,
+            "pages_free": self.pool.allocator.num_free,
+            "late_events": self.actor.counters.late_events,
+            "room_timeouts": self.actor.counters.timeouts,
+        }
+
+    # ---- peers ----------------------------------------------------------------------------
+
+    def agent_metadata(self) -> bytes:
+        return self.transport.agent_metadata()
+
+    def is_registered(self, peer: str) -> bool:
+        return peer in self._peer_urls
+
+    def _add_peer(self, agent_metadata: bytes, url: str | None) -> str:
+        name = self.transport.add_peer(agent_metadata)
+        self._peer_urls[name] = url
+        if url:
+            self.monitor.watch(name)
+        return name
+
+    async def _probe_peer(self, peer: str) -> None:
+        url = self._peer_urls.get(peer)
+        if url:
+            await self.peer_client.heartbeat(url, self.options.liveness.timeout_s)
+
+    async def _peer_failed(self, peer: str, reason: str) -> None:
+        self._peer_urls.pop(peer, None)
+        await self.actor.post(PeerFailed(peer, reason))
+
+    # ---- transport loop -------------------------------------------------------------------
+
+    async def _transport_loop(self) -> None:
+        next_gauges = 0.0
+        while True:
+            for event in self.transport.progress():
+                self._observe_event(event)
+                if isinstance(event, PeerFailed):
+                    self.monitor.unwatch(event.peer)
+                    self._peer_urls.pop(event.peer, None)
+                await self.actor.post(event)
+            now = time.monotonic()
+            if now >= next_gauges:
+                next_gauges = now + _GAUGE_PERIOD_S
+                self.metrics.set_gauges(self.stats())
+            await anyio.sleep(_BUSY_POLL_S if self.actor.live_rooms else _IDLE_POLL_S)
+
+    def _observe_event(self, event: Event) -> None:
+        """Subclass hook: look at (never act on) a transport event before the actor gets it."""
+
+    def stats(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    async def _run_compute(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run one forward step in the worker's dedicated compute thread."""
+        return await anyio.to_thread.run_sync(fn, *args, limiter=self._compute_limiter)
