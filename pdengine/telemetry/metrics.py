@@ -118,7 +118,10 @@ class Metrics:
         self._rooms = Gauge(
             PREFIX + "rooms", "Live rooms by state", ["role", "state"], registry=self.registry
         )
-        self._room_states_seen: set[str] = set()
+        # live (non-terminal) states are always exposed, at 0 when there is no room
+        self._room_states_seen: set[str] = {"BOOTSTRAPPING", "WAITING_FOR_INPUT", "TRANSFERRING"}
+        for state in self._room_states_seen:
+            self._rooms.labels(role=role, state=state).set(0)
         self._counters = {
             name: Counter(PREFIX + name, doc, ["role"], registry=self.registry).labels(role=role)
             for name, doc in COUNTERS.items()
