@@ -8,8 +8,8 @@ Lifecycle of a traced request:
    (several processes may share the file); OTLP is added when
    ``opentelemetry-exporter-otlp`` is importable and ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set.
 2. The router opens the root span with ``start_request_span("text_completion", "tiny", ...)``
-   (GenAI semantic conventions) and passes ``inject_headers(headers, span)`` on its calls to the
-   prefill and decode workers (W3C ``traceparent``).
+   (GenAI semantic conventions), makes it current in the request's task with ``activate``,
+   and adds ``inject_headers(headers)`` (W3C ``traceparent``) to its calls to the workers.
 3. A worker's HTTP handler opens ``start_worker_span("prefill", headers, room_id=...)`` (child of
    the extracted context) and calls ``RoomTracer.bind(room_id, span)`` before the room exists.
 4. ``RoomTracer.on_transition`` is the room FSM's transition hook: it adds one span event per
@@ -173,6 +173,15 @@ def get_tracer(provider: trace.TracerProvider | None = None) -> trace.Tracer:
 # ---------------------------------------------------------------- propagation
 
 
+def activate(span: Span) -> None:
+    """Make `span` current for the rest of this task and the tasks it starts.
+
+    For a per-request task (as a server runs each request): nothing detaches it, the task's
+    context dies with the task. Outgoing calls then carry it via `inject_headers`.
+    """
+    otel_context.attach(trace.set_span_in_context(span))
+
+
 def inject_headers(
     headers: MutableMapping[str, str] | None = None, span: Span | None = None
 ) -> MutableMapping[str, str]:
@@ -189,6 +198,14 @@ def extract_context(headers: Mapping[str, str]) -> otel_context.Context:
 
 
 # ---------------------------------------------------------------- request spans
+
+
+_OPERATIONS = {"/v1/completions": "text_completion", "/v1/chat/completions": "chat"}
+
+
+def operation_for_path(path: str) -> str:
+    """GenAI operation name of a public endpoint: text_completion, chat, or generate."""
+    return _OPERATIONS.get(path.rstrip("/"), "generate")
 
 
 def start_request_span(
@@ -302,9 +319,15 @@ class RoomTracer:
     """
 
     def __init__(
-        self, role: str, tracer: trace.Tracer | None = None, remember_ended: int = 4096
+        self,
+        role: str,
+        tracer: trace.Tracer | None = None,
+        *,
+        page_nbytes: int = 0,
+        remember_ended: int = 4096,
     ) -> None:
         self.role = role
+        self.page_nbytes = page_nbytes  # KV bytes per page: a room's bytes = pages x this
         self._tracer = tracer
         self._live: dict[int, Span] = {}
         self._ended: OrderedDict[int, Span] = OrderedDict()
@@ -368,7 +391,10 @@ class RoomTracer:
                 return
         span.add_event("transition", event)
         if dst_name in TERMINAL_STATES and not absorbed:
-            self.set(room_id, **room_attributes(room))
+            attrs = room_attributes(room)
+            if self.page_nbytes and "pages" in attrs:
+                attrs["bytes"] = attrs["pages"] * self.page_nbytes
+            self.set(room_id, **attrs)
             self._end(room_id, dst_name, trigger)
 
     def finish(self, room_id: int, error: BaseException | str | None = None) -> None:

@@ -214,3 +214,49 @@ def test_trace_file_from_environment(tmp_path, monkeypatch) -> None:
     provider.shutdown()
     (record,) = [json.loads(line) for line in path.read_text().splitlines()]
     assert record["name"] == "one" and record["service"] == "pdengine-router"
+
+
+def test_activated_span_reaches_tasks_started_later(otel) -> None:
+    import anyio
+
+    seen: list[str] = []
+
+    async def request_task() -> None:
+        span = tracing.start_request_span("chat", "tiny", tracer=otel.tracer)
+        tracing.activate(span)  # the handler's task: every task it starts sees the span
+
+        async def upstream_call() -> None:
+            seen.append(tracing.inject_headers({})["traceparent"])
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(upstream_call)
+        tracing.end_span(span)
+        seen.append(f"{span.get_span_context().span_id:016x}")
+
+    async def main() -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(request_task)
+        assert "traceparent" not in tracing.inject_headers({})  # not leaked to the parent
+
+    anyio.run(main)
+    header, span_id = seen
+    assert header.split("-")[2] == span_id
+
+
+def test_operation_names_of_the_public_endpoints() -> None:
+    assert tracing.operation_for_path("/v1/completions") == "text_completion"
+    assert tracing.operation_for_path("/v1/chat/completions") == "chat"
+    assert tracing.operation_for_path("/generate") == "generate"
+
+
+def test_room_bytes_follow_its_pages(otel) -> None:
+    rooms = tracing.RoomTracer("prefill", tracer=otel.tracer, page_nbytes=4096)
+    actor, _ = _actor_with(rooms)
+    actor.apply(CreateRoom(3, "prefill", peer="d0", pages=(7, 8), num_chunks=1))
+    actor.apply(Bootstrapped(3, peer="d0", dst_pages=(1, 2)))
+    actor.apply(ChunkSent(3, chunk=0))
+    actor.apply(ChunkDone(3, chunk=0, is_last=True))
+    (span,) = otel.exporter.get_finished_spans()
+    assert span.attributes["pdengine.room.bytes"] == 2 * 4096
+    assert span.attributes["pdengine.room.dst_pages"] == 2
+    assert "pdengine.room.checksum" not in span.attributes  # the sender verifies nothing
