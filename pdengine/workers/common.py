@@ -16,6 +16,7 @@ Subclasses register effect handlers on the actor and implement the role.
 from __future__ import annotations
 
 import logging
+import os
 import time
 import uuid
 from collections.abc import Callable
@@ -39,8 +40,9 @@ from pdengine.workers.peer_client import PeerClient
 log = logging.getLogger(__name__)
 
 _BUSY_POLL_S = 0.0005  # transport poll period while rooms are live
-_IDLE_POLL_S = 0.01  # ... and while none is (notifications still arrive: aborts, acks)
+_IDLE_POLL_S = 0.05  # ... and while none is (notifications still arrive: aborts, acks)
 _GAUGE_PERIOD_S = 0.25
+CLUSTER_TOKEN_ENV = "PDENGINE_CLUSTER_TOKEN"  # fallback when WorkerOptions has no token
 
 
 @dataclass
@@ -91,12 +93,14 @@ class WorkerCore:
             options.transport, self.name, self.role, checksums=options.checksums  # type: ignore[arg-type]
         )
         self.transport.register(self.pool.tensor)
-        self.peer_client = PeerClient(options.cluster_token, timeout_s=options.liveness.timeout_s * 5)
+        token = options.cluster_token or os.environ.get(CLUSTER_TOKEN_ENV, "")
+        self.peer_client = PeerClient(token, timeout_s=options.liveness.timeout_s * 5)
         self.monitor = PeerMonitor(self._probe_peer, self._peer_failed, options.liveness)
         self._peer_urls: dict[str, str | None] = {}  # transport peer name -> base URL
         self._compute_limiter = anyio.CapacityLimiter(1)
         self._tg: anyio.abc.TaskGroup | None = None
         self._wake = anyio.Event()
+        self._transport_wake = anyio.Event()
         self._transition_listeners: list[Callable[[Any, RoomState, RoomState], None]] = []
 
     # ---- lifecycle ----------------------------------------------------------------------
@@ -136,6 +140,10 @@ class WorkerCore:
 
     def wake(self) -> None:
         self._wake.set()
+
+    def wake_transport(self) -> None:
+        """A room was created or a WRITE posted: poll at the busy rate from now."""
+        self._transport_wake.set()
 
     async def _wait_wake(self, timeout_s: float) -> None:
         with anyio.move_on_after(timeout_s):
@@ -216,7 +224,12 @@ class WorkerCore:
             if now >= next_gauges:
                 next_gauges = now + _GAUGE_PERIOD_S
                 self.metrics.set_gauges(self.stats())
-            await anyio.sleep(_BUSY_POLL_S if self.actor.live_rooms else _IDLE_POLL_S)
+            if self.actor.live_rooms:
+                await anyio.sleep(_BUSY_POLL_S)
+            else:  # idle: still poll (aborts, acks arrive), but wake at once for a new room
+                with anyio.move_on_after(_IDLE_POLL_S):
+                    await self._transport_wake.wait()
+                self._transport_wake = anyio.Event()
 
     def _observe_event(self, event: Event) -> None:
         """Subclass hook: look at (never act on) a transport event before the actor gets it."""

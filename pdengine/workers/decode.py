@@ -180,6 +180,7 @@ class DecodeWorker(WorkerCore):
             pages = job.pages
             await self.actor.post(CreateRoom(rid, "decode", peer=peer, pages=tuple(pages)))
             job.room_created, job.pages = True, None
+            self.wake_transport()
         if job.pages is not None:  # cancelled or failed before the actor took the pages
             self.pool.allocator.free(job.pages)
             job.pages = None

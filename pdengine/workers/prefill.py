@@ -134,6 +134,7 @@ class PrefillWorker(WorkerCore):
         except RuntimeError as exc:  # MailboxFull
             raise OverloadedError(str(exc)) from exc
         self._jobs[room_id] = _Job(room_id, seq)
+        self.wake_transport()
         early = self._early.pop(room_id, None)
         if early is not None:
             self.actor.post_nowait(Bootstrapped(room_id, peer=early[0], dst_pages=tuple(early[1])))
