@@ -5,7 +5,18 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from model_checkpoints import LLAMA3_ROPE, make_hf_checkpoint
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    # The matrices here are tiny: a second intra-op thread buys nothing, and on a loaded
+    # 2-core box its spin-waiting made these tests ~40x slower.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

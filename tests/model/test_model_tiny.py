@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -31,6 +32,15 @@ def test_build_is_atomic_and_reused(tmp_path):
     stamp = marker.stat().st_mtime_ns
     assert ensure_tiny_checkpoint(tmp_path) == path and marker.stat().st_mtime_ns == stamp
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no staging dir left behind
+
+
+def test_concurrent_builds_agree(tmp_path):
+    """Two workers starting at once: one rename wins, the other uses the winner's copy."""
+    with ThreadPoolExecutor(2) as pool:
+        paths = list(pool.map(lambda _: ensure_tiny_checkpoint(tmp_path), range(2)))
+    assert paths[0] == paths[1]
+    assert [p.name for p in tmp_path.iterdir()] == [paths[0].name]
+    Model.load(paths[0])
 
 
 def test_cache_dir_env_and_resolve(tmp_path, monkeypatch):
