@@ -259,6 +259,8 @@ class PrefillWorker(WorkerCore):
     def _observe_event(self, event: Event) -> None:
         if isinstance(event, ChunkDone) and event.is_last:
             self.wake()
+        elif isinstance(event, Abort):  # the decode side gave up before this room existed
+            self._early.pop(event.room_id, None)
 
     def _on_stop(self) -> None:
         for job in list(self._jobs.values()):

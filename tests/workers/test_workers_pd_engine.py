@@ -1,0 +1,137 @@
+"""PD in one process (real workers, real model, loopback transport): parity, abort, deadlines."""
+
+from __future__ import annotations
+
+import random
+
+import anyio
+import pytest
+
+from pdengine.config import Deadlines, SchedulerConfig
+from pdengine.engine import Engine
+from pdengine.fsm import ReleasePages, RoomState
+from pdengine.types import RequestFailedError, SamplingParams
+from pdengine.workers import DecodeWorker, PrefillWorker
+
+CONFIG = SchedulerConfig(chunk_tokens=32, num_pages=256, page_size=16)
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def _prompts(n: int, base: int = 40, step: int = 23) -> list[list[int]]:
+    rng = random.Random(7)
+    return [[rng.randrange(3, 250) for _ in range(base + step * i)] for i in range(n)]
+
+
+def _assert_idle(stats: dict) -> None:
+    for side in ("prefill", "decode"):
+        s = stats[side]
+        assert s["kv_pages_used"] == 0, (side, s)
+        assert s["rooms_live"] == 0, (side, s)
+        assert s["num_running_reqs"] == 0 and s["num_queue_reqs"] == 0, (side, s)
+        assert s["oldest_nonterminal_room_age_seconds"] == 0.0, (side, s)
+    assert stats["prefill"]["num_prefill_bootstrap_queue_reqs"] == 0
+    assert stats["prefill"]["num_prefill_inflight_queue_reqs"] == 0
+    assert stats["decode"]["num_decode_prealloc_queue_reqs"] == 0
+    assert stats["decode"]["num_decode_transfer_queue_reqs"] == 0
+
+
+async def _gather(engine, prompts: list[list[int]], params: SamplingParams) -> list:
+    outs: list = [None] * len(prompts)
+
+    async def one(i: int) -> None:
+        outs[i] = await engine.generate(prompt_token_ids=prompts[i], params=params)
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(prompts)):
+            tg.start_soon(one, i)
+    return outs
+
+
+async def test_pd_greedy_equals_colocated_for_concurrent_chunked_prompts() -> None:
+    prompts = _prompts(6)  # 40..155 tokens: 2..5 chunks of 32
+    async with Engine("tiny", scheduler_config=CONFIG) as colocated:
+        expected = await _gather(colocated, prompts, GREEDY)
+    async with Engine("tiny", mode="pd", scheduler_config=CONFIG) as pd:
+        got = await _gather(pd, prompts, GREEDY)
+        stats = pd.stats()
+    for want, have in zip(expected, got, strict=True):
+        assert have.token_ids == want.token_ids
+        assert have.text == want.text
+        assert have.finish_reason == "length"
+    assert stats["prefill"]["succeeded"] == len(prompts)
+    assert stats["prefill"]["writes"] > len(prompts)  # several chunks per room
+    _assert_idle(stats)
+
+
+async def _room_of(decode: DecodeWorker, state: RoomState) -> int:
+    with anyio.fail_after(20):
+        while True:
+            rows = [r for r in decode.rooms_snapshot() if r["state"] == state.name]
+            if rows:
+                return rows[0]["room_id"]
+            await anyio.sleep(0.0005)
+
+
+async def test_abort_mid_transfer_quarantines_decode_pages_until_ack() -> None:
+    config = SchedulerConfig(chunk_tokens=16, num_pages=256, page_size=16)
+    async with Engine("tiny", mode="pd", scheduler_config=config) as pd:
+        released: list[str] = []
+        pd.decode.actor.on(ReleasePages, lambda e: released.append(e.reason))
+        prompt = _prompts(1, base=900)[0]  # ~56 chunks: the abort lands mid-transfer
+        stream = pd.stream(prompt_token_ids=prompt, params=GREEDY, request_id="victim")
+        room_id = await _room_of(pd.decode, RoomState.TRANSFERRING)
+        assert pd.abort("victim")
+        deltas = [d async for d in stream]
+        assert deltas[-1].finish_reason == "abort"
+        with anyio.fail_after(5):
+            while pd.stats()["decode"]["kv_pages_used"] or pd.stats()["prefill"]["kv_pages_used"]:
+                await anyio.sleep(0.01)
+        assert pd.decode.actor.result(room_id).state is RoomState.FAILED
+        assert pd.prefill.actor.result(room_id).state is RoomState.FAILED
+        assert pd.decode.actor.counters.pages_quarantined > 0
+        assert released == ["abort acked"]  # freed by the prefill's ack, not the drain deadline
+        assert pd.prefill.transport.stats["abort_acks_sent"] == 1
+        # the engine keeps serving after an abort
+        out = await pd.generate(prompt_token_ids=prompt[:50], params=GREEDY)
+        assert len(out.token_ids) == GREEDY.max_tokens
+        _assert_idle(pd.stats())
+
+
+async def test_bootstrap_deadline_fails_a_room_the_decode_side_never_claims() -> None:
+    deadlines = Deadlines(bootstrap_s=0.3, waiting_for_input_s=5, transfer_progress_s=5)
+    prefill = PrefillWorker.create("tiny", "loopback", scheduler=CONFIG, deadlines=deadlines)
+    async with anyio.create_task_group() as tg:
+        await tg.start(prefill.run)
+        with anyio.fail_after(5), pytest.raises(RequestFailedError, match="BOOTSTRAPPING"):
+            await prefill.prefill(11, _prompts(1)[0], GREEDY)
+        assert prefill.actor.result(11).state is RoomState.FAILED
+        assert prefill.actor.counters.timeouts == 1
+        stats = prefill.stats()
+        assert stats["kv_pages_used"] == 0 and stats["rooms_live"] == 0 and stats["jobs"] == 0
+        assert prefill.metrics.registry.get_sample_value(
+            "pdengine_room_timeouts_total", {"role": "prefill"}) == 1
+        assert prefill.metrics.registry.get_sample_value(
+            "pdengine_num_bootstrap_failed_reqs_total", {"role": "prefill"}) == 1
+        tg.cancel_scope.cancel()
+
+
+async def test_waiting_for_input_deadline_fails_decode_and_frees_its_pages() -> None:
+    """Decode registered and sent its pages, but the prefill half never arrives."""
+    deadlines = Deadlines(bootstrap_s=5, waiting_for_input_s=0.3, transfer_progress_s=5)
+    kw = {"scheduler": CONFIG, "deadlines": deadlines}
+    prefill = PrefillWorker.create("tiny", "loopback", **kw)
+    decode = DecodeWorker.create("tiny", "loopback", loaded=(prefill.model, prefill.tokenizer), **kw)
+    decode.connect_local("inproc://p", prefill)
+    async with anyio.create_task_group() as tg:
+        await tg.start(prefill.run)
+        await tg.start(decode.run)
+        stream = decode.stream(5, _prompts(1)[0], GREEDY, "inproc://p")
+        with anyio.fail_after(5), pytest.raises(RequestFailedError, match="WAITING_FOR_INPUT"):
+            async for _ in stream:
+                pass
+        with anyio.fail_after(5):
+            while decode.stats()["kv_pages_used"] or prefill.stats()["early_destinations"]:
+                await anyio.sleep(0.01)
+        assert decode.actor.result(5).state is RoomState.FAILED
+        assert decode.stats()["rooms_live"] == 0
+        tg.cancel_scope.cancel()
