@@ -34,6 +34,7 @@ from pdengine.model import load_model
 from pdengine.runtime import ModelRunner
 from pdengine.telemetry.metrics import Metrics
 from pdengine.transport import KVTransport, make_transport
+from pdengine.types import InvalidRequestError
 from pdengine.workers.liveness import LivenessConfig, PeerMonitor
 from pdengine.workers.peer_client import PeerClient
 
@@ -194,7 +195,10 @@ class WorkerCore:
         return peer in self._peer_urls
 
     def _add_peer(self, agent_metadata: bytes, url: str | None) -> str:
-        name = self.transport.add_peer(agent_metadata)
+        try:
+            name = self.transport.add_peer(agent_metadata)
+        except Exception as exc:  # NIXL / loopback refuse metadata they cannot load
+            raise InvalidRequestError("agent_metadata", f"cannot load the peer agent: {exc}") from exc
         self._peer_urls[name] = url
         if url:
             self.monitor.watch(name)
