@@ -10,13 +10,9 @@ Lifecycle of a traced request:
 2. The router opens the root span with ``start_request_span("text_completion", "tiny", ...)``
    (GenAI semantic conventions), makes it current in the request's task with ``activate``,
    and adds ``inject_headers(headers)`` (W3C ``traceparent``) to its calls to the workers.
-3. A worker's HTTP handler opens ``start_worker_span("prefill", headers, room_id=...)`` (child of
-   the extracted context) and calls ``RoomTracer.bind(room_id, span)`` before the room exists.
-4. ``RoomTracer.on_transition`` is the room FSM's transition hook: it adds one span event per
-   transition (from, to, trigger, late) to the room's span and ends the span when the room
-   reaches a terminal state. Late events after the end become a short child span, marked late.
-5. The handler ends its span in ``finally`` with ``end_span`` and calls ``RoomTracer.finish``,
-   which closes a room span the FSM never terminated (e.g. the request was refused first).
+3. A worker's HTTP handler opens its span (``start_worker_span``, child of the extracted
+   context) and the room's span; the room span gets one event per FSM transition and ends
+   when the room is terminal (``pdengine.telemetry.tracing_rooms``).
 """
 
 from __future__ import annotations
@@ -25,8 +21,7 @@ import json
 import logging
 import os
 import threading
-from collections import OrderedDict
-from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any
 
 from opentelemetry import context as otel_context
@@ -43,14 +38,11 @@ from opentelemetry.sdk.trace.export import (
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from pdengine.telemetry.metrics import state_name
-
 log = logging.getLogger(__name__)
 
 TRACE_FILE_ENV = "PDENGINE_TRACE_FILE"
 OTLP_ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_ENDPOINT"
 TRACER_NAME = "pdengine"
-TERMINAL_STATES = frozenset({"SUCCESS", "FAILED"})
 
 # W3C trace context only: the wire format between our own processes is fixed, whatever
 # OTEL_PROPAGATORS says.
@@ -280,162 +272,3 @@ def end_span(span: Span, error: BaseException | str | None = None) -> None:
         if isinstance(error, BaseException):
             span.record_exception(error)
     span.end()
-
-
-# ---------------------------------------------------------------- room spans
-
-
-def room_attributes(room: Any) -> dict[str, Any]:
-    """What a room (pdengine.fsm.Room or look-alike) says about itself, as span attributes."""
-    out: dict[str, Any] = {}
-    for field, key in (("num_tokens", "tokens"), ("nbytes", "bytes"), ("peer", "peer")):
-        value = getattr(room, field, None)
-        if isinstance(value, int | float | str) and value != "":
-            out[key] = value
-    for field, key in (("pages", "pages"), ("dst_pages", "dst_pages"), ("chunks_done", "chunks")):
-        value = getattr(room, field, None)
-        if isinstance(value, tuple | list | set | frozenset) and value:
-            out[key] = len(value)
-    reason = str(getattr(room, "reason", "") or "")
-    if reason:
-        out["failure_reason"] = reason
-    if "checksum" in reason.lower():
-        out["checksum"] = "mismatch"
-    elif getattr(room, "role", "") == "decode" and state_name(getattr(room, "state", "")) == "SUCCESS":
-        out["checksum"] = "verified"  # a receiver only succeeds once every chunk verified
-    aux = getattr(room, "aux", None)
-    if isinstance(aux, dict):
-        out.update({f"aux.{k}": v for k, v in aux.items() if isinstance(v, int | float | str)})
-    return out
-
-
-class RoomTracer:
-    """One span per room on a worker, with a span event per FSM transition.
-
-    Install `on_transition` as (or inside) the FSM's transition hook. `bind` is called from the
-    request handler with the worker span as parent before the room is created; a room the hook
-    reports without a binding gets a root span of its own. Ended rooms are remembered (bounded)
-    so a late event can still be traced as a child of its room.
-    """
-
-    def __init__(
-        self,
-        role: str,
-        tracer: trace.Tracer | None = None,
-        *,
-        page_nbytes: int = 0,
-        remember_ended: int = 4096,
-    ) -> None:
-        self.role = role
-        self.page_nbytes = page_nbytes  # KV bytes per page: a room's bytes = pages x this
-        self._tracer = tracer
-        self._live: dict[int, Span] = {}
-        self._ended: OrderedDict[int, Span] = OrderedDict()
-        self._remember_ended = remember_ended
-
-    @property
-    def tracer(self) -> trace.Tracer:
-        return self._tracer or get_tracer()
-
-    @property
-    def live_rooms(self) -> int:
-        return len(self._live)
-
-    def bind(self, room_id: int, parent: Span | otel_context.Context | None = None, **attrs: Any) -> Span:
-        """Open the room's span now, as a child of `parent` (a span or a context)."""
-        if room_id in self._live:
-            return self._live[room_id]
-        ctx = trace.set_span_in_context(parent) if isinstance(parent, Span) else parent
-        span = self.tracer.start_span(
-            f"room {self.role}",
-            context=ctx,
-            attributes={"pdengine.room.id": str(room_id), "pdengine.role": self.role},
-        )
-        if span.is_recording():  # no exporter configured: keep no bookkeeping
-            self._live[room_id] = span
-            self.set(room_id, **attrs)
-        return span
-
-    def set(self, room_id: int, **attrs: Any) -> None:
-        """Set `pdengine.room.<key>` attributes (tokens, pages, bytes, checksum_ok, ...)."""
-        span = self._live.get(room_id)
-        if span is None:
-            return
-        for key, value in attrs.items():
-            if value is not None:
-                span.set_attribute(f"pdengine.room.{key}", value)
-
-    def on_transition(self, room: Any, trigger: str, src: Any, dst: Any, absorbed: bool) -> None:
-        """The FSM hook: one span event per transition; the span ends at a terminal state."""
-        try:
-            self._on_transition(room, trigger, src, dst, absorbed)
-        except Exception:  # tracing must never break the room actor's loop
-            log.exception("room tracing failed for trigger %s", trigger)
-
-    def _on_transition(self, room: Any, trigger: str, src: Any, dst: Any, absorbed: bool) -> None:
-        room_id = int(getattr(room, "room_id", getattr(room, "id", -1)))
-        src_name, dst_name = state_name(src), state_name(dst)
-        event: dict[str, Any] = {"from": src_name, "to": dst_name, "trigger": trigger}
-        # The FSM reports absorbed events with dst == src: late on a terminal room (I1),
-        # invalid (duplicate / out of order) on a live one.
-        event["late"] = absorbed and src_name in TERMINAL_STATES
-        if absorbed and not event["late"]:
-            event["absorbed"] = True
-        span = self._live.get(room_id)
-        if span is None and event["late"] and room_id in self._ended:
-            self._trace_late(room_id, event)
-            return
-        if span is None:
-            span = self.bind(room_id)
-            if room_id not in self._live:
-                return
-        span.add_event("transition", event)
-        if dst_name in TERMINAL_STATES and not absorbed:
-            attrs = room_attributes(room)
-            if self.page_nbytes and "pages" in attrs:
-                attrs["bytes"] = attrs["pages"] * self.page_nbytes
-            self.set(room_id, **attrs)
-            self._end(room_id, dst_name, trigger)
-
-    def finish(self, room_id: int, error: BaseException | str | None = None) -> None:
-        """Close the room's span if the FSM never terminated it (the request ended first)."""
-        span = self._live.get(room_id)
-        if span is None:
-            return
-        if error is not None:
-            self.set(room_id, failure_reason=str(error))
-        span.set_attribute("pdengine.room.closed_by", "request")
-        self._end(room_id, None, None)
-
-    def _end(self, room_id: int, state: str | None, trigger: str | None) -> None:
-        span = self._live.pop(room_id)
-        if state is not None:
-            span.set_attribute("pdengine.room.final_state", state)
-        if state == "FAILED":
-            reason = (getattr(span, "attributes", None) or {}).get("pdengine.room.failure_reason")
-            span.set_status(Status(StatusCode.ERROR, str(reason or trigger)))
-        span.end()
-        self._ended[room_id] = span
-        while len(self._ended) > self._remember_ended:
-            self._ended.popitem(last=False)
-
-    def _trace_late(self, room_id: int, event: dict[str, Any]) -> None:
-        parent = trace.set_span_in_context(self._ended[room_id])
-        span = self.tracer.start_span(
-            f"room {self.role} late event",
-            context=parent,
-            attributes={"pdengine.room.id": str(room_id), "pdengine.room.late": True},
-        )
-        span.add_event("transition", event)
-        span.end()
-
-
-def compose_hooks(*hooks: Callable[..., None] | None) -> Callable[..., None]:
-    """One FSM transition hook that calls each given hook in order (None entries skipped)."""
-    active = [h for h in hooks if h is not None]
-
-    def hook(room: Any, trigger: str, src: Any, dst: Any, absorbed: bool) -> None:
-        for h in active:
-            h(room, trigger, src, dst, absorbed)
-
-    return hook

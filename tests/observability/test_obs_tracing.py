@@ -15,6 +15,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from pdengine.fsm import RoomActor, RoomState
 from pdengine.fsm.events import Abort, Bootstrapped, ChunkDone, ChunkSent, CreateRoom
 from pdengine.telemetry import tracing
+from pdengine.telemetry.tracing_rooms import RoomTracer, WorkerRequestTrace, compose_hooks
 
 State = RoomState
 
@@ -59,7 +60,7 @@ def test_traceparent_round_trip_builds_one_tree(otel) -> None:
     worker = tracing.start_worker_span(
         "prefill", {"Traceparent": headers["traceparent"]}, room_id=7, tracer=otel.tracer
     )
-    rooms = tracing.RoomTracer("prefill", tracer=otel.tracer)
+    rooms = RoomTracer("prefill", tracer=otel.tracer)
     rooms.bind(7, worker, tokens=40)
     rooms.on_transition(SimpleNamespace(room_id=7), "succeed", State.TRANSFERRING, State.SUCCESS, False)
     tracing.end_span(worker)
@@ -82,13 +83,13 @@ def test_client_traceparent_becomes_the_routers_parent(otel) -> None:
     assert spans["generate tiny"].parent.span_id == outer.get_span_context().span_id
 
 
-def _actor_with(rooms: tracing.RoomTracer) -> tuple[RoomActor, list[float]]:
+def _actor_with(rooms: RoomTracer) -> tuple[RoomActor, list[float]]:
     now = [0.0]
     return RoomActor(clock=lambda: now[0], hook=rooms.on_transition), now
 
 
 def test_real_room_transitions_in_order_and_span_ends_at_terminal(otel) -> None:
-    rooms = tracing.RoomTracer("decode", tracer=otel.tracer)
+    rooms = RoomTracer("decode", tracer=otel.tracer)
     actor, _ = _actor_with(rooms)
     rooms.bind(11, tokens=40)
     actor.apply(CreateRoom(11, "decode", peer="p0", pages=(3, 4, 5)))
@@ -119,7 +120,7 @@ def test_real_room_transitions_in_order_and_span_ends_at_terminal(otel) -> None:
 
 
 def test_checksum_failure_and_late_event_on_a_real_room(otel) -> None:
-    rooms = tracing.RoomTracer("decode", tracer=otel.tracer)
+    rooms = RoomTracer("decode", tracer=otel.tracer)
     actor, _ = _actor_with(rooms)
     actor.apply(CreateRoom(5, "decode", peer="p0", pages=(1,)))  # unbound: a root span
     actor.apply(ChunkSent(5, chunk=0))
@@ -138,7 +139,7 @@ def test_checksum_failure_and_late_event_on_a_real_room(otel) -> None:
 
 
 def test_finish_closes_a_room_the_fsm_never_terminated(otel) -> None:
-    rooms = tracing.RoomTracer("decode", tracer=otel.tracer)
+    rooms = RoomTracer("decode", tracer=otel.tracer)
     rooms.bind(9)
     rooms.finish(9, error=ValueError("prompt too long"))
     rooms.finish(9)  # idempotent
@@ -149,7 +150,7 @@ def test_finish_closes_a_room_the_fsm_never_terminated(otel) -> None:
 
 
 def test_hook_errors_never_escape(otel, caplog) -> None:
-    rooms = tracing.RoomTracer("decode", tracer=otel.tracer)
+    rooms = RoomTracer("decode", tracer=otel.tracer)
     rooms.on_transition(SimpleNamespace(room_id="not-an-int"), "abort", 1, 0, False)
     assert "room tracing failed" in caplog.text
 
@@ -160,7 +161,7 @@ def test_without_exporter_nothing_is_recorded(monkeypatch) -> None:
     assert tracing.build_provider("pdengine-test") is None
     from opentelemetry.trace import NoOpTracer
 
-    rooms = tracing.RoomTracer("decode", tracer=NoOpTracer())
+    rooms = RoomTracer("decode", tracer=NoOpTracer())
     rooms.bind(1)
     rooms.on_transition(SimpleNamespace(room_id=1), "abort", State.BOOTSTRAPPING, State.FAILED, False)
     assert rooms.live_rooms == 0
@@ -168,7 +169,7 @@ def test_without_exporter_nothing_is_recorded(monkeypatch) -> None:
 
 def test_compose_hooks_calls_each_in_order() -> None:
     calls: list[str] = []
-    hook = tracing.compose_hooks(
+    hook = compose_hooks(
         lambda *a: calls.append("metrics"), None, lambda *a: calls.append("trace")
     )
     hook(SimpleNamespace(room_id=1), "abort", 1, 0, False)
@@ -250,7 +251,7 @@ def test_operation_names_of_the_public_endpoints() -> None:
 
 
 def test_room_bytes_follow_its_pages(otel) -> None:
-    rooms = tracing.RoomTracer("prefill", tracer=otel.tracer, page_nbytes=4096)
+    rooms = RoomTracer("prefill", tracer=otel.tracer, page_nbytes=4096)
     actor, _ = _actor_with(rooms)
     actor.apply(CreateRoom(3, "prefill", peer="d0", pages=(7, 8), num_chunks=1))
     actor.apply(Bootstrapped(3, peer="d0", dst_pages=(1, 2)))
@@ -260,3 +261,20 @@ def test_room_bytes_follow_its_pages(otel) -> None:
     assert span.attributes["pdengine.room.bytes"] == 2 * 4096
     assert span.attributes["pdengine.room.dst_pages"] == 2
     assert "pdengine.room.checksum" not in span.attributes  # the sender verifies nothing
+
+
+def test_worker_request_trace_closes_span_and_unfinished_room_once(otel) -> None:
+    root = tracing.start_request_span("generate", "tiny", tracer=otel.tracer)
+    rooms = RoomTracer("decode", tracer=otel.tracer)
+    headers = tracing.inject_headers({}, root)
+    with pytest.raises(ValueError), WorkerRequestTrace("decode", headers, 21, rooms, tokens=9):
+        raise ValueError("prompt too long")
+    tracing.end_span(root)
+    spans = _by_name(otel.exporter)
+    request, room = spans["decode request"], spans["room decode"]
+    assert request.parent.span_id == root.get_span_context().span_id
+    assert room.parent.span_id == request.context.span_id
+    assert request.status.status_code.name == "ERROR"
+    assert room.attributes["pdengine.room.closed_by"] == "request"
+    assert room.attributes["pdengine.room.tokens"] == 9
+    assert rooms.live_rooms == 0
