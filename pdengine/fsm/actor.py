@@ -38,7 +38,10 @@ tombstone so late events are still absorbed and counted through the hook):
 
 A failed receiver stays in the table (state FAILED, quarantined) until its
 pages are released: that is I5, and the release is an explicit effect so a
-page ledger can check it. TellPeer is not sent back to a peer that told us
+page ledger can check it. Without an ack the drain deadline is `drain_s` when
+the peer is dead, else late enough that the (possibly uninformed) sender room
+has ended: `created + bootstrap_s + bound_s + drain_s`. A prefill tombstone
+that gets a peer's Abort also emits AckAbort (the abort raced its own end). TellPeer is not sent back to a peer that told us
 (Abort(from_peer=True)) or died (PeerFailed); a sender aborted by its peer
 emits AckAbort instead, which the transport executes once its WRITEs drain.
 

@@ -278,6 +278,11 @@ class RoomCore:
         room = self._room_for(ev)
         if room is not None:
             self._fail(room, "abort", ev.reason, "abort" if ev.from_peer else "")
+            return
+        done = self._results.get(ev.room_id)
+        if ev.from_peer and done is not None and done[1].role == "prefill" and done[1].peer:
+            # the peer's abort raced our own end: it still waits for the ack (I5)
+            self._emit(AckAbort(ev.room_id, done[1].peer))
 
     def _on_abort_acked(self, ev: AbortAcked) -> None:
         room = self._room_for(ev)
@@ -352,7 +357,7 @@ class RoomCore:
             if room.peer and not room.from_peer:
                 effects.append(TellPeer(rid, room.peer, room.reason))
             if room.pages:
-                drain_at = self._clock() + self.deadlines.drain_s
+                drain_at = self._drain_deadline(room)
                 room.quarantined = True
                 self.counters.pages_quarantined += len(room.pages)
                 self._arm(room, drain_at)
@@ -404,6 +409,21 @@ class RoomCore:
         if state is _T:
             when = min(when, room.transfer_started + self.deadlines.transfer_total_s)
         return when
+
+    def _drain_deadline(self, room: Room) -> float:
+        """When a failed receiver's pages may be reused without an abort-ack (I5).
+
+        A dead peer posts nothing new: its in-flight WRITEs land within `drain_s`. A live
+        peer that never heard of the failure (its notification lost) keeps writing until
+        its own room ends, at the latest its I2 bound after *its* creation. Assumption: the
+        sender room is created at most `bootstrap_s` after this one (a prefill worker keeps
+        an early page offer no longer than that), so the last WRITE lands by
+        `created_at + bootstrap_s + bound_s + drain_s`. An abort-ack ends it sooner.
+        """
+        d, now = self.deadlines, self._clock()
+        if room.from_peer == "dead":
+            return now + d.drain_s
+        return max(now, room.created_at + d.bootstrap_s + d.bound_s()) + d.drain_s
 
     def _arm(self, room: Room, when: float) -> None:
         room.deadline = when

@@ -26,8 +26,9 @@ class RoomDeadlines:
 
     TRANSFERRING has a progress deadline (each new chunk restarts it) capped by
     `transfer_total_s` from the moment the transfer started, so a trickle of
-    chunks cannot keep a room alive forever. `drain_s` bounds the quarantine of
-    a failed receiver's pages after it reached FAILED.
+    chunks cannot keep a room alive forever. `drain_s` is how long a WRITE
+    already posted may take to land; it sets when a failed receiver's quarantined
+    pages are released without an abort-ack.
     """
 
     bootstrap_s: float = 30.0

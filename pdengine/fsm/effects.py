@@ -31,7 +31,8 @@ class ReleasePages(Effect):
 @dataclass(frozen=True, slots=True)
 class QuarantinePages(Effect):
     """Receiver failed: its pages may still take a stale WRITE (I5). Do not reuse them until
-    a ReleasePages for this room follows (abort acked, or the drain deadline passed)."""
+    a ReleasePages for this room follows (abort acked, or the drain deadline passed; see
+    `RoomCore._drain_deadline` for how far that deadline is when no ack comes)."""
 
     pages: tuple[int, ...]
     drain_deadline: float

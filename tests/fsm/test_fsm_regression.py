@@ -92,3 +92,34 @@ def test_room_left_in_limbo_is_timed_out_within_its_deadlines():
     assert actor.counters.timeouts == 1
     assert TellPeer(9, "d", result.reason) in effects       # I6: the peer is told
     assert ReleasePages(9, (4,), "failed") in effects
+
+
+def test_drain_deadline_outlasts_an_uninformed_sender_unless_the_peer_is_dead():
+    from pdengine.fsm.events import PeerFailed
+
+    clock, effects = Clock(), []
+    actor = _actor(clock, effects)
+    created = clock.now
+    actor.apply(CreateRoom(1, "decode", peer="p0", pages=(1,)))
+    actor.apply(CreateRoom(2, "decode", peer="p1", pages=(2,)))
+    clock.now += 5
+    actor.apply(Abort(1, "client"))          # p0 may never hear of it: wait it out
+    actor.apply(PeerFailed("p1"))             # p1 is gone: only in-flight WRITEs remain
+    drains = {e.room_id: e.drain_deadline for e in effects if isinstance(e, QuarantinePages)}
+    d = DEADLINES
+    assert drains[1] == created + d.bootstrap_s + d.bound_s() + d.drain_s
+    assert drains[2] == clock.now + d.drain_s
+    _run_until_idle(actor, clock)
+    released = [e.room_id for e in effects if isinstance(e, ReleasePages)]
+    assert released == [2, 1]
+
+
+def test_a_peer_abort_racing_the_senders_own_end_is_still_acked():
+    clock, effects = Clock(), []
+    actor = _actor(clock, effects)
+    actor.apply(CreateRoom(3, "prefill", peer="decode-0", num_chunks=1, pages=(1,)))
+    actor.apply(ChunkDone(3, 0, is_last=True))
+    assert actor.result(3).state is RoomState.SUCCESS
+    actor.apply(Abort(3, "client", from_peer=True))
+    assert effects[-1] == AckAbort(3, "decode-0")
+    assert actor.counters.late_events == 1
