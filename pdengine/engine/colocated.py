@@ -1,16 +1,16 @@
 """ColocatedEngine: prefill and decode in one process, no KV transfer (the PD baseline).
 
 Lifecycle:
-- `__aenter__` loads the model and tokenizer (in a worker thread), makes the
-  KV pool, scheduler and model runner, and starts one task group holding the
-  engine loop.
+- `__aenter__` loads the model and tokenizer into an EngineCore (model, KV
+  pool, scheduler, runner) in a worker thread, and starts one task group
+  holding the engine loop.
 - `stream()` / `generate()` check arguments on the caller's task, then hand
   the request to the loop through an inbox; deltas come back on the
   request's own memory stream.
-- The loop applies new requests and aborts between steps, plans a step,
-  runs it (forward + sample + scheduler update) in a dedicated compute thread,
-  and dispatches the deltas. Only the loop touches the scheduler; only the
-  compute thread touches the pool and the model, one step at a time.
+- The loop applies new requests and aborts between steps, runs one
+  `EngineCore.step()` (plan, forward, sample, update) in the compute thread
+  (a capacity limiter of one) and dispatches the deltas. Between steps only
+  the loop touches the scheduler; during a step only the compute thread does.
 - A crash in the loop fails every open request with RequestFailedError and
   cancels the task group, so the error surfaces at `async with` too.
 - `__aexit__` cancels the loop (a running step finishes first) and aborts
@@ -27,12 +27,9 @@ import anyio
 from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectSendStream
 
-from pdengine.cache import KVPool
 from pdengine.config import SchedulerConfig
 from pdengine.engine.base import EngineBase, RequestStream
-from pdengine.model import load_model
-from pdengine.runtime import ModelRunner, OutputText, Scheduler, Sequence, StepOutput
-from pdengine.runtime.scheduler import ScheduledStep
+from pdengine.runtime import EngineCore, OutputText, Sequence, StepOutput
 from pdengine.types import InvalidRequestError, RequestFailedError, SamplingParams, StreamDelta
 
 
@@ -70,19 +67,14 @@ class ColocatedEngine(EngineBase):
     # ---- lifecycle ------------------------------------------------------------------------
 
     async def _start(self) -> None:
-        model, tokenizer = await anyio.to_thread.run_sync(
-            lambda: load_model(self._model_ref, dtype=self._dtype, device=self._device)
+        self.core, self.tokenizer = await anyio.to_thread.run_sync(
+            lambda: EngineCore.load(
+                self._model_ref, self._config, dtype=self._dtype, device=self._device
+            )
         )
-        cfg = self._config
-        self.model = model
-        self.tokenizer = tokenizer
-        self.vocab_size = model.config.vocab_size
-        self.max_model_len = min(cfg.max_model_len, model.config.max_position_embeddings)
-        if self.max_model_len != cfg.max_model_len:
-            cfg = SchedulerConfig(**{**cfg.__dict__, "max_model_len": self.max_model_len})
-        self.pool = KVPool(model.kv_layout(cfg.num_pages, cfg.page_size), self._device)
-        self.scheduler = Scheduler(cfg, self.pool.allocator, model.config.eos_token_ids)
-        self.runner = ModelRunner(model, self.pool)
+        self.scheduler = self.core.scheduler
+        self.vocab_size = self.core.model.config.vocab_size
+        self.max_model_len = self.core.max_model_len
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         self._tg.start_soon(self._loop, name="pdengine-engine-loop")
@@ -142,12 +134,11 @@ class ColocatedEngine(EngineBase):
                 self._wake = anyio.Event()
                 self._apply_inbox()
                 while self.scheduler.has_work():
-                    step = self.scheduler.schedule()
-                    if step is None:
+                    ran = await anyio.to_thread.run_sync(self.core.step, limiter=self._limiter)
+                    if ran is None:  # every request fits an empty pool, so this is a bug
                         raise RuntimeError(f"scheduler stalled: {self.scheduler.stats()}")
-                    out = await anyio.to_thread.run_sync(self._compute, step, limiter=self._limiter)
                     self._counters["steps"] += 1
-                    self._dispatch(out)
+                    self._dispatch(ran[1])
                     self._apply_inbox()
         except BaseException as exc:
             self._failure = exc
@@ -157,11 +148,6 @@ class ColocatedEngine(EngineBase):
                 req.send.close()
             self._requests.clear()
             raise
-
-    def _compute(self, step: ScheduledStep) -> StepOutput:
-        """Runs in the compute thread: forward, sample, and apply the results."""
-        tokens, logprobs = self.runner.step(step)
-        return self.scheduler.update(step, tokens, logprobs)
 
     def _apply_inbox(self) -> None:
         inbox, self._inbox = self._inbox, []

@@ -2,6 +2,7 @@
 the model runner (ForwardBatch building) and sampling. Reused by the colocated engine
 and by the PD prefill/decode workers."""
 
+from pdengine.runtime.core import EngineCore
 from pdengine.runtime.detokenize import OutputText
 from pdengine.runtime.model_runner import ForwardModel, ModelRunner
 from pdengine.runtime.sampler import sample
@@ -16,6 +17,7 @@ from pdengine.runtime.sequence import SeqStatus, Sequence
 
 __all__ = [
     "ChunkProgress",
+    "EngineCore",
     "ForwardModel",
     "ModelRunner",
     "OutputText",

@@ -223,7 +223,7 @@ async def test_a_crash_in_the_loop_surfaces_instead_of_hanging(tiny_path):
     failures: list[BaseException] = []
     with pytest.raises(BaseExceptionGroup) as group:
         async with engine:
-            engine.runner.model = _Exploding()
+            engine.core.runner.model = _Exploding()
             try:
                 await engine.generate(prompt_token_ids=PROMPT, params=greedy(4))
             except RequestFailedError as exc:
