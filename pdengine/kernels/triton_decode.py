@@ -135,6 +135,8 @@ def paged_decode_attention(
     check_decode(q, k_cache, v_cache, page_table, seq_lens, num_kv_splits)
     b, hq, d = q.shape
     _, page_size, hkv, _ = k_cache.shape
+    if d < 16:
+        raise ValueError(f"q: head_dim {d} < 16, the smallest tl.dot tile on GPUs")
     out = torch.empty_like(q)
     if b == 0:
         return out

@@ -105,6 +105,8 @@ def paged_prefill_attention(
     check_prefill(q, k_cache, v_cache, page_table, cu_q_lens, seq_lens)
     t, hq, d = q.shape
     _, page_size, hkv, _ = k_cache.shape
+    if d < 16:
+        raise ValueError(f"q: head_dim {d} < 16, the smallest tl.dot tile on GPUs")
     out = torch.empty_like(q)
     b = seq_lens.shape[0]
     if t == 0 or b == 0:

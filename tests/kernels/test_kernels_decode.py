@@ -129,3 +129,7 @@ def test_decode_launcher_rejects_bad_input():
     with pytest.raises(ValueError, match="head_dim"):
         td.paged_decode_attention(torch.randn(1, 2, 8), kv.k_cache, kv.v_cache, kv.page_table,
                                   kv.seq_lens, 1.0)
+    small = make_paged_kv([5], 16, 2, 8, torch.float32, gen)
+    with pytest.raises(ValueError, match="head_dim 8 < 16"):
+        td.paged_decode_attention(torch.randn(1, 2, 8), small.k_cache, small.v_cache,
+                                  small.page_table, small.seq_lens, 1.0)
