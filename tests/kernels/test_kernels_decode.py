@@ -33,7 +33,8 @@ def _run_case(batch, max_len, page_size, ratio, head_dim, dtype, splits=None):
     gen = torch.Generator().manual_seed(batch * 7919 + max_len * 31 + page_size)
     hkv = 2
     kv = make_paged_kv(seq_lengths(batch, max_len, gen), page_size, hkv, head_dim, dtype, gen)
-    q = torch.randn(batch, hkv * ratio, head_dim, generator=gen).to(dtype)
+    # q is a slice of a wider tensor, as when the model splits a fused qkv projection
+    q = torch.randn(batch, hkv * ratio, 2 * head_dim, generator=gen).to(dtype)[..., :head_dim]
     ref32 = as_fp32(kv)
     expected = reference.paged_decode_attention(q.float(), ref32.k_cache, ref32.v_cache,
                                                 kv.page_table, kv.seq_lens, 0.2)

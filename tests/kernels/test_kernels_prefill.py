@@ -31,7 +31,9 @@ def _run(lens, q_lens, page_size, ratio, head_dim, dtype):
     hkv = 2
     kv = make_paged_kv(lens, page_size, hkv, head_dim, dtype, gen)
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    q = torch.randn(int(cu[-1]), hkv * ratio, head_dim, generator=gen).to(dtype)
+    # q is a slice of a fused qkv tensor, with a token stride wider than Hq * D
+    qkv = torch.randn(int(cu[-1]), hkv * ratio + 2 * hkv, head_dim, generator=gen).to(dtype)
+    q = qkv[:, : hkv * ratio]
     ref32 = as_fp32(kv)
     expected = reference.paged_prefill_attention(q.float(), ref32.k_cache, ref32.v_cache,
                                                  kv.page_table, cu, kv.seq_lens, 0.3)
