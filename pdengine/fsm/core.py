@@ -94,6 +94,7 @@ class RoomCore:
         if not 0.0 <= deadline_jitter < 1.0:
             raise ValueError(f"deadline_jitter must be in [0, 1), got {deadline_jitter}")
         self.deadlines = RoomDeadlines.from_source(deadlines or RoomDeadlines())
+        self._spans = {s: self.deadlines.for_state(s) for s in (_B, _W, _T)}
         self._clock = clock
         self._rng = rng or random.Random()
         self._jitter = deadline_jitter
@@ -402,7 +403,7 @@ class RoomCore:
 
     # ---- deadlines ----------------------------------------------------------------------
     def _deadline_for(self, room: Room, state: RoomState, now: float) -> float:
-        span = self.deadlines.for_state(state)
+        span = self._spans[state]
         if self._jitter:
             span *= 1.0 - self._jitter * self._rng.random()  # jitter only shortens (I2 holds)
         when = now + span

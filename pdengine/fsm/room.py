@@ -45,12 +45,13 @@ class RoomState(IntEnum):
 
     @property
     def terminal(self) -> bool:
-        return self is RoomState.SUCCESS or self is RoomState.FAILED
+        return self in _TERMINAL_SET
 
 
 _B, _W, _T = RoomState.BOOTSTRAPPING, RoomState.WAITING_FOR_INPUT, RoomState.TRANSFERRING
 NON_TERMINAL: tuple[RoomState, ...] = (_B, _W, _T)
 TERMINAL: tuple[RoomState, ...] = (RoomState.SUCCESS, RoomState.FAILED)
+_TERMINAL_SET = frozenset(TERMINAL)
 
 ROOM_TRANSITIONS: list[dict[str, Any]] = [
     {"trigger": "bootstrap", "source": [_B], "dest": _W},

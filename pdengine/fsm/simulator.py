@@ -65,7 +65,7 @@ def run_seeds(
 ) -> dict[str, Any]:
     """Run `seeds` worlds; returns the summary (and the first failure, shrunk)."""
     faults = faults or Faults()
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     totals: Counter[str] = Counter()
     max_ttt = 0.0
     failure: dict[str, Any] | None = None
@@ -106,6 +106,7 @@ def run_seeds(
         "deadline_bound_s": bound,
         **dict(totals),
         "elapsed_s": round(time.perf_counter() - started, 2),
+        "cpu_s": round(time.process_time() - cpu_started, 2),
     }
     if failure is not None:
         summary["first_failure"] = failure
