@@ -23,7 +23,8 @@ Introspection: `counters` (ActorCounters), `gauges()`, `snapshot()` (rows for
 A room's life inside the actor
 ------------------------------
 CreateRoom -> BOOTSTRAPPING; Bootstrapped -> WAITING_FOR_INPUT; ChunkSent /
-ChunkDone -> TRANSFERRING (each new chunk restarts the progress deadline);
+ChunkDone -> TRANSFERRING (each chunk event restarts the progress deadline,
+capped by `transfer_total_s`; a duplicate ChunkDone is absorbed);
 ChunkDone once every chunk up to the last (``is_last`` or ``num_chunks``) is
 done -> SUCCESS. Abort / TransferFailed / PeerFailed / a failed checksum / an
 expired deadline -> FAILED. Every non-terminal state has a deadline in the one
@@ -40,15 +41,20 @@ A failed receiver stays in the table (state FAILED, quarantined) until its
 pages are released: that is I5, and the release is an explicit effect so a
 page ledger can check it. Without an ack the drain deadline is `drain_s` when
 the peer is dead, else late enough that the (possibly uninformed) sender room
-has ended: `created + bootstrap_s + bound_s + drain_s`. A prefill tombstone
-that gets a peer's Abort also emits AckAbort (the abort raced its own end). TellPeer is not sent back to a peer that told us
-(Abort(from_peer=True)) or died (PeerFailed); a sender aborted by its peer
-emits AckAbort instead, which the transport executes once its WRITEs drain.
+has ended: `created + bootstrap_s + bound_s + drain_s`. TellPeer is not
+sent back to a peer that told us (Abort(from_peer=True)) or died
+(PeerFailed); a sender aborted by its peer emits AckAbort instead, which the
+transport executes once its WRITEs drain; a prefill tombstone that gets a
+peer's Abort emits AckAbort too (the abort raced the sender's own end).
+
+`post` does not yield while the mailbox has room (like `asyncio.Queue.put`):
+a task switch per event would cost more than applying it.
 
 Handler exceptions are logged and counted (`effect_errors`), never raised
 into the loop; bugs in the actor itself do raise, and crash the caller's
 task group as they should.
 """
+
 from __future__ import annotations
 
 from typing import Any
