@@ -114,6 +114,7 @@ class BackgroundLoad:
                         "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
                         "stream": True}
         self.completed = 0
+        self.streamed = 0  # SSE events received
         self.errors: list[str] = []
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._loop, daemon=True) for _ in range(clients)]
@@ -127,8 +128,11 @@ class BackgroundLoad:
                         if resp.status_code != 200:
                             self.errors.append(f"http {resp.status_code}")
                             continue
-                        for _ in resp.iter_lines():
-                            pass
+                        for line in resp.iter_lines():
+                            if self._stop.is_set():
+                                return  # leaves mid-stream: the server aborts the request
+                            if line.startswith("data:"):
+                                self.streamed += 1
                     self.completed += 1
                 except httpx.HTTPError as exc:
                     self.errors.append(repr(exc))
