@@ -36,7 +36,7 @@ from pdengine.telemetry.metrics import Metrics
 from pdengine.transport import KVTransport, make_transport
 from pdengine.types import InvalidRequestError
 from pdengine.workers.liveness import LivenessConfig, PeerMonitor
-from pdengine.workers.peer_client import PeerClient
+from pdengine.workers.peer_client import PeerClient, PeerError
 
 log = logging.getLogger(__name__)
 
@@ -207,7 +207,9 @@ class WorkerCore:
     async def _probe_peer(self, peer: str) -> None:
         url = self._peer_urls.get(peer)
         if url:
-            await self.peer_client.heartbeat(url, self.options.liveness.timeout_s)
+            name = await self.peer_client.heartbeat(url, self.options.liveness.timeout_s)
+            if name != peer:  # a restarted worker lost our registration and its rooms
+                raise PeerError(f"{url} now answers as {name!r}, not {peer!r}")
 
     async def _peer_failed(self, peer: str, reason: str) -> None:
         self._peer_urls.pop(peer, None)

@@ -193,6 +193,7 @@ class DecodeWorker(WorkerCore):
         try:
             await self._send_destination(url, rid, pages)
         except (PeerError, PDEngineError) as exc:
+            self._registered.pop(url, None)  # e.g. a restarted prefill: register again next time
             await self.actor.post(TransferFailed(rid, f"prefill {url} refused the pages: {exc}"))
         else:
             await self.actor.post(Bootstrapped(rid, peer=peer, dst_pages=tuple(pages)))

@@ -1,4 +1,4 @@
-"""The internal (worker-to-worker) endpoints on a real uvicorn server: token checks, validation."""
+"""Worker-to-worker HTTP on a real uvicorn server: token checks, validation, heartbeats (I6)."""
 
 from __future__ import annotations
 
@@ -16,12 +16,48 @@ import pytest
 import uvicorn
 from starlette.applications import Starlette
 
-from pdengine.config import SchedulerConfig
+from pdengine.config import Deadlines, SchedulerConfig
+from pdengine.fsm import RoomState
 from pdengine.server.internal import internal_routes
-from pdengine.workers import DecodeWorker, PrefillWorker
+from pdengine.types import RequestFailedError, SamplingParams
+from pdengine.workers import DecodeWorker, LivenessConfig, PrefillWorker
 
 TOKEN = "cluster-secret"
 CONFIG = SchedulerConfig(num_pages=64)
+
+
+class PrefillServer:
+    """A PrefillWorker behind its internal routes on a real uvicorn server (own thread + loop)."""
+
+    def __init__(self, prefill: PrefillWorker) -> None:
+        @contextlib.asynccontextmanager
+        async def lifespan(app: Starlette) -> AsyncIterator[None]:
+            async with anyio.create_task_group() as tg:
+                await tg.start(prefill.run)
+                yield
+                tg.cancel_scope.cancel()
+
+        app = Starlette(routes=internal_routes(prefill, TOKEN), lifespan=lifespan)
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, lifespan="on", log_level="warning"))
+        self.thread = threading.Thread(
+            target=lambda: asyncio.run(self.server.serve(sockets=[self.sock])), daemon=True)
+
+    def __enter__(self) -> PrefillServer:
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "did not start"
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.sock.close()
 
 
 @pytest.fixture(scope="module")
@@ -29,32 +65,8 @@ def served() -> Iterator[tuple[str, PrefillWorker, DecodeWorker]]:
     prefill = PrefillWorker.create("tiny", "loopback", scheduler=CONFIG)
     decode = DecodeWorker.create("tiny", "loopback", scheduler=CONFIG,
                                  loaded=(prefill.model, prefill.tokenizer))
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        async with anyio.create_task_group() as tg:
-            await tg.start(prefill.run)
-            yield
-            tg.cancel_scope.cancel()
-
-    app = Starlette(routes=internal_routes(prefill, TOKEN), lifespan=lifespan)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(64)
-    server = uvicorn.Server(uvicorn.Config(app, lifespan="on", log_level="warning"))
-    thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])),
-                              daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}", prefill, decode
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
+    with PrefillServer(prefill) as server:
+        yield server.url, prefill, decode
 
 
 def _auth(token: str) -> dict[str, str]:
@@ -135,3 +147,37 @@ def test_bad_registration_is_a_400(served) -> None:
     junk = {"peer": "x", "agent_metadata": base64.b64encode(b"not an agent").decode()}
     r = httpx.post(url + "/internal/register", json=junk, headers=_auth(TOKEN))
     assert r.status_code == 400 and r.json()["error"]["field"] == "agent_metadata"
+
+
+async def test_a_silent_prefill_fails_the_decode_room_by_heartbeat_not_by_deadline() -> None:
+    deadlines = Deadlines(bootstrap_s=30, waiting_for_input_s=30, transfer_progress_s=30,
+                          drain_s=0.3)
+    liveness = LivenessConfig(interval_s=0.1, timeout_s=0.3, max_misses=2)
+    prefill = PrefillWorker.create("tiny", "loopback", scheduler=CONFIG)
+    decode = DecodeWorker.create("tiny", "loopback", scheduler=CONFIG, deadlines=deadlines,
+                                 liveness=liveness, cluster_token=TOKEN,
+                                 loaded=(prefill.model, prefill.tokenizer))
+    server = PrefillServer(prefill).__enter__()
+    try:
+        async with anyio.create_task_group() as tg:
+            await tg.start(decode.run)
+            stream = decode.stream(9, list(range(3, 60)), SamplingParams(max_tokens=4),
+                                   server.url)
+            with anyio.fail_after(10):
+                while decode.room_state(9) is not RoomState.WAITING_FOR_INPUT:
+                    await anyio.sleep(0.01)
+            assert prefill.stats()["early_destinations"] == 1  # registered, pages sent
+            await anyio.to_thread.run_sync(server.__exit__, None, None, None)  # prefill dies
+            started = time.monotonic()
+            with anyio.fail_after(10), pytest.raises(RequestFailedError, match="heartbeat"):
+                async for _ in stream:
+                    pass
+            assert time.monotonic() - started < deadlines.waiting_for_input_s / 3
+            with anyio.fail_after(5):
+                while decode.stats()["kv_pages_used"]:
+                    await anyio.sleep(0.01)  # quarantined until the drain deadline
+            assert decode.actor.result(9).state is RoomState.FAILED
+            assert decode.stats()["rooms_live"] == 0 and decode.stats()["peers"] == 0
+            tg.cancel_scope.cancel()
+    finally:
+        server.__exit__(None, None, None)
