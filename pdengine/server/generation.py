@@ -24,6 +24,7 @@ from typing import Any, Protocol, TypeVar
 import anyio
 from starlette.requests import Request
 
+from pdengine.telemetry import tracing
 from pdengine.telemetry.metrics import Metrics
 from pdengine.types import OverloadedError, RequestAbortedError, SamplingParams, StreamDelta
 
@@ -70,9 +71,13 @@ async def until_disconnect(request: Request, awaitable: Awaitable[T]) -> T:
     the disconnect).
     """
     result: list[T] = []
+    error: list[Exception] = []
 
     async def work(scope: anyio.CancelScope) -> None:
-        result.append(await awaitable)
+        try:
+            result.append(await awaitable)
+        except Exception as exc:  # re-raised below as itself, not wrapped in a group
+            error.append(exc)
         scope.cancel()
 
     async with anyio.create_task_group() as tg:
@@ -82,6 +87,8 @@ async def until_disconnect(request: Request, awaitable: Awaitable[T]) -> T:
             if message["type"] == "http.disconnect":
                 tg.cancel_scope.cancel()
                 break
+    if error:
+        raise error[0]
     if not result:
         raise RequestAbortedError("client disconnected")
     return result[0]
@@ -102,6 +109,7 @@ class RequestRun:
     _last: float | None = None
     _closed: bool = False
     _exhausted: bool = False
+    span: Any = None  # the request's root span (public endpoints), ended by close()
 
     @classmethod
     def open(
@@ -112,9 +120,10 @@ class RequestRun:
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
+        span: Any = None,
     ) -> RequestRun:
         limiter.acquire()
-        run = cls(backend, metrics, limiter, request_id, prompt_token_ids, params)
+        run = cls(backend, metrics, limiter, request_id, prompt_token_ids, params, span=span)
         run._stream = backend.stream(prompt_token_ids, params, request_id)
         return run
 
@@ -191,3 +200,8 @@ class RequestRun:
             self.limiter.release()
             if self.metrics is not None:
                 self.metrics.observe_e2e(time.perf_counter() - self.started)
+            if self.span is not None:
+                tracing.record_usage(self.span, self.prompt_tokens, self.completion_tokens,
+                                     self.finish_reason or "abort")
+                failed = self.finish_reason == "error"
+                tracing.end_span(self.span, "request failed" if failed else None)

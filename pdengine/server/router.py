@@ -35,6 +35,7 @@ from anyio.streams.memory import MemoryObjectSendStream
 
 from pdengine.server.params import params_to_json
 from pdengine.server.sse import parse_events
+from pdengine.telemetry.tracing import inject_headers
 from pdengine.types import (
     InvalidRequestError,
     OverloadedError,
@@ -258,7 +259,8 @@ class RouterBackend:
     async def _prefill(self, a: _Attempt, body: dict[str, Any]) -> dict[str, Any]:
         assert self._client is not None
         try:
-            r = await self._client.post(a.prefill.url + "/generate", json=body)
+            r = await self._client.post(a.prefill.url + "/generate", json=body,
+                                        headers=inject_headers({}))
         except httpx.HTTPError as exc:
             a.prefill.healthy = False
             raise UpstreamError(f"prefill worker {a.prefill.url} unreachable: {exc}") from None
@@ -272,7 +274,8 @@ class RouterBackend:
         assert self._client is not None
         text_len = ids_len = lp_len = 0
         try:
-            async with self._client.stream("POST", a.decode.url + "/generate", json=body) as r:
+            async with self._client.stream("POST", a.decode.url + "/generate", json=body,
+                                           headers=inject_headers({})) as r:
                 if r.status_code != 200:
                     await r.aread()
                     raise _upstream_error("decode", a.decode.url, r.status_code, _json_or_text(r))

@@ -19,6 +19,7 @@ from pdengine.server.context import ServingContext
 from pdengine.server.errors import error_from_exception
 from pdengine.server.generation import Backend, RequestRun
 from pdengine.server.sse import DONE, EventStream, event
+from pdengine.telemetry import tracing
 from pdengine.types import RequestAbortedError, RequestFailedError, SamplingParams, StreamDelta
 
 log = logging.getLogger(__name__)
@@ -55,8 +56,21 @@ async def generate_response(
     """Serve one request through `backend` (default: the app's); workers record no
     request metrics here (their own loops do), the colocated engine and router do."""
     metrics = ctx.metrics if backend is None else None
+    span = None
+    if backend is None:  # a public request: the root span of its trace
+        span = tracing.start_request_span(
+            tracing.operation_for_path(request.url.path), ctx.require_backend().model_name,
+            max_tokens=params.max_tokens, temperature=params.temperature,
+            input_tokens=len(prompt_token_ids), headers=request.headers)
+        tracing.activate(span)  # the router's upstream calls carry it (traceparent)
     backend = backend or ctx.require_backend()
-    run = RequestRun.open(backend, metrics, ctx.limiter, request_id, prompt_token_ids, params)
+    try:
+        run = RequestRun.open(backend, metrics, ctx.limiter, request_id, prompt_token_ids,
+                              params, span=span)
+    except BaseException as exc:
+        if span is not None:
+            tracing.end_span(span, exc)
+        raise
     if not stream:
         try:
             deltas = await run.collect(request)
