@@ -118,4 +118,12 @@ class PDEngine(EngineBase):
     def stats(self) -> dict[str, Any]:
         if self.prefill is None or self.decode is None:
             return {}
-        return {"prefill": self.prefill.stats(), "decode": self.decode.stats()}
+        p, d = self.prefill.stats(), self.decode.stats()
+        return {
+            "running": d["num_running_reqs"],
+            "waiting": d["num_queue_reqs"] + p["num_queue_reqs"] + p["num_running_reqs"],
+            "pages_used": p["pages_used"] + d["pages_used"],
+            "pages_free": p["pages_free"] + d["pages_free"],
+            "prefill": p,
+            "decode": d,
+        }

@@ -160,7 +160,7 @@ class WorkerCore:
 
     def _on_transition(self, room: Any, trigger: str, src: RoomState, dst: RoomState,
                        absorbed: bool) -> None:
-        self.metrics.on_room_transition(room, trigger, src, dst, absorbed and src.terminal)
+        self.metrics.on_room_transition(room, trigger, src, dst, absorbed)
         if not absorbed:
             for listener in self._transition_listeners:
                 listener(room, src, dst)

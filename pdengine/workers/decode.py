@@ -137,11 +137,13 @@ class DecodeWorker(WorkerCore):
         if job is None or job.aborted:
             return False
         job.aborted = reason
-        if not job.room_created:
-            if job.scope is not None:
+        state = self.room_state(room_id)
+        if job.room_created and state is not None and not state.terminal:
+            self.actor.post_nowait(Abort(room_id, reason=reason))  # counted by the FSM hook
+        else:
+            self.metrics.inc_aborted()  # before the room existed, or while decoding
+            if not job.room_created and job.scope is not None:
                 job.scope.cancel()
-        elif (state := self.room_state(room_id)) is not None and not state.terminal:
-            self.actor.post_nowait(Abort(room_id, reason=reason))
         self.wake()  # a decoding request is dropped by the compute loop
         return True
 
