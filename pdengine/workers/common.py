@@ -26,12 +26,12 @@ from typing import Any
 import anyio
 import anyio.abc
 
-from pdengine.cache import KVPool
 from pdengine.config import Deadlines, SchedulerConfig
 from pdengine.fsm import RoomActor, RoomState
 from pdengine.fsm.events import Event, PeerFailed
 from pdengine.model import load_model
-from pdengine.runtime import ModelRunner
+from pdengine.runtime import StepOutput
+from pdengine.runtime.core import EngineCore
 from pdengine.telemetry.metrics import Metrics
 from pdengine.transport import KVTransport, make_transport
 from pdengine.types import InvalidRequestError
@@ -81,13 +81,12 @@ class WorkerCore:
         self.model = model
         self.tokenizer = tokenizer
         self.vocab_size = model.config.vocab_size
-        cfg = options.scheduler
-        self.max_model_len = min(cfg.max_model_len, model.config.max_position_embeddings)
-        if self.max_model_len != cfg.max_model_len:
-            cfg = SchedulerConfig(**{**cfg.__dict__, "max_model_len": self.max_model_len})
-        self.scheduler_config = cfg
-        self.pool = KVPool(model.kv_layout(cfg.num_pages, cfg.page_size), options.device)
-        self.runner = ModelRunner(model, self.pool)
+        self.core = EngineCore(model, options.scheduler, device=options.device,
+                               prefill_only=self.role == "prefill")
+        self.scheduler_config = self.core.config
+        self.max_model_len = self.core.max_model_len
+        self.pool = self.core.pool
+        self.scheduler = self.core.scheduler
         self.metrics = metrics if metrics is not None else Metrics(self.role)
         self.actor = RoomActor(deadlines=options.deadlines, hook=self._on_transition)
         self.transport: KVTransport = make_transport(
@@ -243,6 +242,12 @@ class WorkerCore:
     def stats(self) -> dict[str, Any]:
         raise NotImplementedError
 
-    async def _run_compute(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run one forward step in the worker's dedicated compute thread."""
-        return await anyio.to_thread.run_sync(fn, *args, limiter=self._compute_limiter)
+    async def _step(self) -> StepOutput | None:
+        """Plan and run one scheduler step in the compute thread; None when nothing can run.
+
+        The scheduler is touched only here and by the loop between steps, never concurrently.
+        """
+        if not self.scheduler.has_work():
+            return None
+        done = await anyio.to_thread.run_sync(self.core.step, limiter=self._compute_limiter)
+        return None if done is None else done[1]

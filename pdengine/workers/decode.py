@@ -38,7 +38,7 @@ from anyio.streams.memory import MemoryObjectSendStream
 
 from pdengine.fsm import DeliverPages, ReleasePages, RoomState, TellPeer
 from pdengine.fsm.events import Abort, Bootstrapped, CreateRoom, TransferFailed
-from pdengine.runtime import OutputText, Scheduler, Sequence, StepOutput
+from pdengine.runtime import OutputText, SeqStatus, Sequence, StepOutput
 from pdengine.telemetry.metrics import Metrics
 from pdengine.types import (
     InvalidRequestError,
@@ -86,9 +86,6 @@ class DecodeWorker(WorkerCore):
     def __init__(self, model_ref: str, options: WorkerOptions, metrics: Metrics | None = None,
                  loaded: tuple[Any, Any] | None = None) -> None:
         super().__init__(model_ref, options, metrics, loaded)
-        self.scheduler = Scheduler(
-            self.scheduler_config, self.pool.allocator, self.model.config.eos_token_ids
-        )
         self._jobs: dict[int, _Job] = {}
         self._by_request: dict[str, int] = {}
         self._deliveries: list[DeliverPages] = []
@@ -254,12 +251,11 @@ class DecodeWorker(WorkerCore):
         while True:
             self._apply_deliveries()
             self._apply_aborts()
-            step = self.scheduler.schedule() if self.scheduler.has_work() else None
-            if step is None:
+            out = await self._step()
+            if out is None:
                 await self._wait_wake(_IDLE_WAKE_S)
                 continue
-            tokens, logprobs = await self._run_compute(self.runner.step, step)
-            self._dispatch(self.scheduler.update(step, tokens, logprobs))
+            self._dispatch(out)
 
     def _apply_deliveries(self) -> None:
         deliveries, self._deliveries = self._deliveries, []
@@ -324,8 +320,8 @@ class DecodeWorker(WorkerCore):
             _send(job, error)
         else:
             if send_final:
-                if not job.seq.is_finished:
-                    self.scheduler.finish(job.seq, "abort" if job.aborted else "stop")
+                if not job.seq.is_finished:  # never reached the scheduler: end it here
+                    job.seq.status, job.seq.finish_reason = SeqStatus.FINISHED, "abort"
                 _send(job, self._delta(job, []))
             self.counters["aborted" if job.seq.finish_reason == "abort" else "finished"] += 1
             self.metrics.observe_e2e(time.perf_counter() - job.started)

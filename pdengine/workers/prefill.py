@@ -43,7 +43,7 @@ from pdengine.fsm.events import (
     Event,
     TransferFailed,
 )
-from pdengine.runtime import Scheduler, SeqStatus, Sequence, StepOutput
+from pdengine.runtime import SeqStatus, Sequence, StepOutput
 from pdengine.runtime.scheduler import ChunkProgress
 from pdengine.telemetry.metrics import Metrics
 from pdengine.transport import AuxRecord
@@ -80,10 +80,6 @@ class PrefillWorker(WorkerCore):
     def __init__(self, model_ref: str, options: WorkerOptions, metrics: Metrics | None = None,
                  loaded: tuple[Any, Any] | None = None) -> None:
         super().__init__(model_ref, options, metrics, loaded)
-        self.scheduler = Scheduler(
-            self.scheduler_config, self.pool.allocator, self.model.config.eos_token_ids,
-            prefill_only=True,
-        )
         self._jobs: dict[int, _Job] = {}  # compute-side records; room state is in the actor
         self._early: dict[int, tuple[str, list[int], float]] = {}  # destination before room
         self.actor.on(RoomTerminal, self._on_room_terminal)
@@ -185,12 +181,11 @@ class PrefillWorker(WorkerCore):
     async def _compute_loop(self) -> None:
         while True:
             self._admit_and_reap()
-            step = self.scheduler.schedule() if self.scheduler.has_work() else None
-            if step is None:
+            out = await self._step()
+            if out is None:
                 await self._wait_wake(_IDLE_WAKE_S)
                 continue
-            tokens, logprobs = await self._run_compute(self.runner.step, step)
-            await self._after_step(self.scheduler.update(step, tokens, logprobs))
+            await self._after_step(out)
 
     def _admit_and_reap(self) -> None:
         """Admit bootstrapped rooms; drop the sequences of terminal rooms (frees their pages)."""
