@@ -110,6 +110,7 @@ class RequestRun:
     _closed: bool = False
     _exhausted: bool = False
     span: Any = None  # the request's root span (public endpoints), ended by close()
+    error: Exception | None = None
 
     @classmethod
     def open(
@@ -154,6 +155,9 @@ class RequestRun:
         except StopAsyncIteration:
             self._exhausted = True
             return None
+        except Exception as exc:
+            self.error = exc  # for the trace: the request failed with this
+            raise
 
     async def first(self, request: Request | None) -> StreamDelta | None:
         """The first delta (None if the stream ended at once); watches `request` for a disconnect."""
@@ -203,5 +207,5 @@ class RequestRun:
             if self.span is not None:
                 tracing.record_usage(self.span, self.prompt_tokens, self.completion_tokens,
                                      self.finish_reason or "abort")
-                failed = self.finish_reason == "error"
-                tracing.end_span(self.span, "request failed" if failed else None)
+                failed = self.error or ("request failed" if self.finish_reason == "error" else None)
+                tracing.end_span(self.span, failed)
