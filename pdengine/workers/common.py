@@ -33,7 +33,8 @@ from pdengine.model import load_model
 from pdengine.runtime import StepOutput
 from pdengine.runtime.core import EngineCore
 from pdengine.telemetry.metrics import Metrics
-from pdengine.transport import KVTransport, make_transport
+from pdengine.telemetry.tracing_rooms import RoomTracer
+from pdengine.transport import FaultConfig, KVTransport, make_transport
 from pdengine.types import InvalidRequestError
 from pdengine.workers.liveness import LivenessConfig, PeerMonitor
 from pdengine.workers.peer_client import PeerClient, PeerError
@@ -60,6 +61,8 @@ class WorkerOptions:
     dtype: str | None = None
     device: str = "cpu"
     name: str | None = None
+    faults: FaultConfig | None = None  # fault injection (tests, PDENGINE_FAULTS)
+    write_deadline_s: float = 10.0  # the transport's deadline for one WRITE to complete
 
 
 class WorkerCore:
@@ -88,9 +91,11 @@ class WorkerCore:
         self.pool = self.core.pool
         self.scheduler = self.core.scheduler
         self.metrics = metrics if metrics is not None else Metrics(self.role)
+        self.room_tracer = RoomTracer(self.role, page_nbytes=self.pool.layout.page_nbytes)
         self.actor = RoomActor(deadlines=options.deadlines, hook=self._on_transition)
         self.transport: KVTransport = make_transport(
-            options.transport, self.name, self.role, checksums=options.checksums  # type: ignore[arg-type]
+            options.transport, self.name, self.role, checksums=options.checksums,  # type: ignore[arg-type]
+            write_deadline_s=options.write_deadline_s, faults=options.faults,
         )
         self.transport.register(self.pool.tensor)
         token = options.cluster_token or os.environ.get(CLUSTER_TOKEN_ENV, "")
@@ -160,6 +165,7 @@ class WorkerCore:
     def _on_transition(self, room: Any, trigger: str, src: RoomState, dst: RoomState,
                        absorbed: bool) -> None:
         self.metrics.on_room_transition(room, trigger, src, dst, absorbed)
+        self.room_tracer.on_transition(room, trigger, src, dst, absorbed)
         if not absorbed:
             for listener in self._transition_listeners:
                 listener(room, src, dst)
