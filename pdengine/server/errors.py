@@ -11,7 +11,7 @@ import logging
 from typing import Any
 
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 
 from pdengine.types import PDEngineError
@@ -62,6 +62,8 @@ def error_from_exception(exc: BaseException) -> tuple[int, dict[str, Any]]:
     if isinstance(exc, PDEngineError):
         param = getattr(exc, "field", None)
         return exc.http_status, error_body(exc.http_status, str(exc), param)
+    if isinstance(exc, ClientDisconnect):  # nobody is listening; nothing worth a traceback
+        return 499, error_body(499, "client disconnected")
     if isinstance(exc, HTTPException):
         return exc.status_code, error_body(exc.status_code, str(exc.detail))
     log.exception("unexpected error while serving a request", exc_info=exc)
@@ -82,5 +84,6 @@ EXCEPTION_HANDLERS = {
     APIError: _handle,
     PDEngineError: _handle,
     HTTPException: _handle,
+    ClientDisconnect: _handle,
     Exception: _handle,
 }

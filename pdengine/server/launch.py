@@ -27,6 +27,8 @@ import uvicorn
 from starlette.applications import Starlette
 
 from pdengine.server.context import AppSettings
+from pdengine.server.diagnostics_env import worker_options_from_env
+from pdengine.telemetry.tracing import TRACE_FILE_ENV, setup_tracing
 
 CLUSTER_TOKEN_ENV = "PDENGINE_CLUSTER_TOKEN"
 API_KEY_ENV = "PDENGINE_API_KEY"
@@ -105,6 +107,8 @@ def _add_common(p: argparse.ArgumentParser, default_port: int) -> None:
                    default=AppSettings.max_concurrent_requests)
     p.add_argument("--log-level", default="warning")
     p.add_argument("--fd", type=int, default=None, help=argparse.SUPPRESS)  # from the supervisor
+    p.add_argument("--trace-file", default=None, metavar="PATH",
+                   help=f"append finished trace spans as JSON lines (env {TRACE_FILE_ENV})")
 
 
 def _add_worker(p: argparse.ArgumentParser) -> None:
@@ -130,6 +134,17 @@ def _socket_of(args: argparse.Namespace) -> socket.socket:
 def _setup_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if level.lower() != "debug":  # per-request chatter of libraries only when debugging
+        for noisy in ("httpx", "httpcore", "transitions"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def _setup_tracing(role: str, args: argparse.Namespace, install: bool = True) -> None:
+    """Spans of this process (and of the children it starts) go where --trace-file says."""
+    if args.trace_file:
+        os.environ[TRACE_FILE_ENV] = os.path.abspath(args.trace_file)
+    if install:
+        setup_tracing(f"pdengine-{role}")
 
 
 def _worker_main(role: str, argv: list[str]) -> int:
@@ -138,13 +153,19 @@ def _worker_main(role: str, argv: list[str]) -> int:
     _add_worker(p)
     args = p.parse_args(argv)
     _setup_logging(args.log_level)
+    _setup_tracing(role, args)
     token = args.cluster_token or os.environ.get(CLUSTER_TOKEN_ENV, "")
     if not token:
         p.error(f"a cluster token is required: --cluster-token or {CLUSTER_TOKEN_ENV}")
     from pdengine.server.app import create_worker_app
 
     sock = _socket_of(args)
-    options: dict[str, Any] = {"advertise_url": args.advertise_url or url_of(sock)}
+    options: dict[str, Any] = {"advertise_url": args.advertise_url or url_of(sock),
+                               "cluster_token": token}
+    try:
+        options.update(worker_options_from_env())  # PDENGINE_FAULTS, PDENGINE_DEADLINES
+    except ValueError as exc:
+        p.error(str(exc))
     app = create_worker_app(role, args.model, cluster_token=token, transport=args.transport,
                             settings=settings_of(args), worker_options=options)
     return run_app(app, sock, role, args.log_level)
@@ -169,6 +190,7 @@ def router_main(argv: list[str]) -> int:
     p.add_argument("--policy", choices=("round_robin", "least_loaded"), default="round_robin")
     args = p.parse_args(argv)
     _setup_logging(args.log_level)
+    _setup_tracing("router", args)
     if not args.prefill or not args.decode:
         p.error("give at least one --prefill URL and one --decode URL")
     from pdengine.server.router_app import create_router_app
@@ -191,6 +213,7 @@ def serve_main(argv: list[str]) -> int:
     p.add_argument("--startup-timeout", type=float, default=300.0)
     args = p.parse_args(argv)
     _setup_logging(args.log_level)
+    _setup_tracing("colocated", args, install=args.colocated)  # PD: the children trace
     if args.colocated:
         from pdengine.server.app import create_colocated_app
 

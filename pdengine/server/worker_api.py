@@ -27,6 +27,7 @@ from pdengine.server.generation import until_disconnect
 from pdengine.server.openai_api import check_fits
 from pdengine.server.params import need_bool, params_from_sglang, token_ids
 from pdengine.server.serving import generate_response
+from pdengine.telemetry.tracing_rooms import WorkerRequestTrace
 from pdengine.types import InvalidRequestError, RequestAbortedError, SamplingParams, StreamDelta
 
 MAX_ROOM_ID = (1 << 63) - 1
@@ -44,7 +45,9 @@ class _WorkerView:
 
     role = "decode"
 
-    def __init__(self, ctx: ServingContext, room: int, prefill_url: str) -> None:
+    def __init__(self, ctx: ServingContext, room: int, prefill_url: str,
+                 trace: WorkerRequestTrace | None = None) -> None:
+        self.trace = trace
         self.worker = ctx.worker
         self.room = room
         self.prefill_url = prefill_url
@@ -64,6 +67,8 @@ class _WorkerView:
         finally:
             self.rooms_by_rid.pop(request_id, None)
             await inner.aclose()
+            if self.trace is not None:
+                self.trace.close()
 
     def abort(self, request_id: str) -> bool:
         self.worker.abort(self.room, "aborted by the client")
@@ -87,15 +92,17 @@ def _common(ctx: ServingContext, body: dict[str, Any]) -> tuple[int, list[int], 
 async def prefill_generate(request: Request) -> Response:
     ctx, body = await public_json(request)
     room, ids, params = _common(ctx, body)
-    check_fits(ctx.worker, ids, params, "input_ids")
-    ctx.limiter.acquire()
-    try:
-        result = await until_disconnect(request, ctx.worker.prefill(room, ids, params))
-    except RequestAbortedError:
-        ctx.worker.abort(room, "router disconnected")
-        raise
-    finally:
-        ctx.limiter.release()
+    with WorkerRequestTrace("prefill", request.headers, room, ctx.worker.room_tracer,
+                            tokens=len(ids)):
+        check_fits(ctx.worker, ids, params, "input_ids")
+        ctx.limiter.acquire()
+        try:
+            result = await until_disconnect(request, ctx.worker.prefill(room, ids, params))
+        except RequestAbortedError:
+            ctx.worker.abort(room, "router disconnected")
+            raise
+        finally:
+            ctx.limiter.release()
     return JSONResponse(result)
 
 
@@ -106,10 +113,16 @@ async def decode_generate(request: Request) -> Response:
     if not isinstance(prefill_url, str) or not prefill_url.startswith(("http://", "https://")):
         raise InvalidRequestError("bootstrap_host", "must be the prefill worker's base URL")
     stream = need_bool("stream", body.get("stream", False))
-    view = _WorkerView(ctx, room, prefill_url)
-    check_fits(view, ids, params, "input_ids")
-    return await generate_response(request, ctx, SGLangFormat(), request_id_of(body), ids,
-                                   params, stream, backend=view)
+    trace = WorkerRequestTrace("decode", request.headers, room, ctx.worker.room_tracer,
+                               tokens=len(ids))
+    view = _WorkerView(ctx, room, prefill_url, trace)  # the stream's end closes the trace
+    try:
+        check_fits(view, ids, params, "input_ids")
+        return await generate_response(request, ctx, SGLangFormat(), request_id_of(body), ids,
+                                       params, stream, backend=view)
+    except BaseException as exc:
+        trace.close(exc)
+        raise
 
 
 async def worker_abort(request: Request) -> Response:
@@ -122,7 +135,9 @@ async def worker_abort(request: Request) -> Response:
             raise InvalidRequestError("rid", "give rid or bootstrap_room")
         room = ctx.extras.get("rooms_by_rid", {}).get(rid)
         if room is None:
-            return JSONResponse({"rid": rid, "aborted": False})
-    ctx.worker.abort(room, "aborted by /abort_request")
-    return JSONResponse({"bootstrap_room": room, "aborted": True})
+            abort_request = getattr(ctx.worker, "abort_request", None)
+            found = bool(abort_request(rid, "aborted by /abort_request")) if abort_request else False
+            return JSONResponse({"rid": rid, "aborted": found})
+    found = ctx.worker.abort(room, "aborted by /abort_request")
+    return JSONResponse({"bootstrap_room": room, "aborted": found is not False})
 
