@@ -14,6 +14,7 @@ class PageTable:
 
     @property
     def capacity(self) -> int:
+        """Tokens the table's pages can hold."""
         return len(self.pages) * self.page_size
 
     def pages_needed(self, num_tokens: int) -> int:

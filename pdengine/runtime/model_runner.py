@@ -15,6 +15,7 @@ from pdengine.cache import KVPool
 from pdengine.model.forward_batch import ForwardBatch
 from pdengine.runtime.sampler import sample
 from pdengine.runtime.scheduler import ScheduledStep
+from pdengine.runtime.sequence import SeqStatus
 
 
 class ForwardModel(Protocol):
@@ -22,8 +23,10 @@ class ForwardModel(Protocol):
 
 
 class ModelRunner:
-    def __init__(self, model: ForwardModel, kv_pool: KVPool) -> None:
+    def __init__(self, model: ForwardModel, kv_pool: KVPool, split_mixed_steps: bool = True
+                 ) -> None:
         self.model = model
+        self.split_mixed_steps = split_mixed_steps
         self.kv_pool = kv_pool
         self.device = kv_pool.device
 
@@ -32,20 +35,31 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        cu = [0]
         seq_lens: list[int] = []
         tables: list[list[int]] = []
-        for it in step.items:
-            seq, table = it.seq, it.seq.page_table
-            assert table is not None, f"{seq} is scheduled without pages"
-            input_ids += seq.token_ids[it.start : it.end]
-            positions += range(it.start, it.end)
-            slots += table.slots(it.start, it.end)
-            cu.append(cu[-1] + it.num_tokens)
-            seq_lens.append(it.end)
-            tables.append(table.pages[: -(-it.end // ps)])
+        if step.is_decode:  # the hot path: one token per sequence
+            for it in step.items:
+                seq, pos = it.seq, it.start
+                pages = seq.page_table.pages  # type: ignore[union-attr]
+                input_ids.append(seq.token_ids[pos])
+                slots.append(pages[pos // ps] * ps + pos % ps)
+                seq_lens.append(pos + 1)
+                tables.append(pages)
+            positions = [n - 1 for n in seq_lens]
+            cu = list(range(len(step.items) + 1))
+        else:
+            cu = [0]
+            for it in step.items:
+                seq, table = it.seq, it.seq.page_table
+                assert table is not None, f"{seq} is scheduled without pages"
+                input_ids += seq.token_ids[it.start : it.end]
+                positions += range(it.start, it.end)
+                slots += table.slots(it.start, it.end)
+                cu.append(cu[-1] + it.num_tokens)
+                seq_lens.append(it.end)
+                tables.append(table.pages[: -(-it.end // ps)])
         width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) for t in tables]
+        padded = [t + [0] * (width - len(t)) if len(t) < width else t for t in tables]
         dev = self.device
         cu_t = torch.tensor(cu, dtype=torch.int32, device=dev)
         return ForwardBatch(
@@ -61,8 +75,24 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, step: ScheduledStep) -> torch.Tensor:
-        """Logits [B, vocab] fp32 of each scheduled sequence's last new token."""
-        return self.model.forward(self.build_batch(step), self.kv_pool.tensor)
+        """Logits [B, vocab] fp32 of each scheduled sequence's last new token.
+
+        A step mixing decodes with prefill chunks runs as two forwards, decodes
+        first (the scheduler orders them so): the batched decode attention path
+        is much cheaper per sequence than the per-sequence varlen prefill path.
+        """
+        items = step.items
+        n_dec = 0
+        while n_dec < len(items) and items[n_dec].seq.status is SeqStatus.DECODING:
+            n_dec += 1
+        if step.is_decode or not self.split_mixed_steps or n_dec < 2:
+            return self.model.forward(self.build_batch(step), self.kv_pool.tensor)
+        decode = ScheduledStep(items[:n_dec], is_decode=True)
+        prefill = ScheduledStep(items[n_dec:], is_decode=False)
+        return torch.cat([
+            self.model.forward(self.build_batch(decode), self.kv_pool.tensor),
+            self.model.forward(self.build_batch(prefill), self.kv_pool.tensor),
+        ])
 
     @torch.inference_mode()
     def step(self, step: ScheduledStep) -> tuple[list[int], list[dict[int, float] | None]]:

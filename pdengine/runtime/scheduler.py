@@ -34,20 +34,21 @@ from pdengine.runtime.sequence import SeqStatus, Sequence
 from pdengine.types import InvalidRequestError, PromptTooLongError
 
 
-@dataclass
 class ScheduledSeq:
-    seq: Sequence
-    start: int  # first token position computed in this step
-    num_tokens: int
+    """`num_tokens` of `seq` from position `start` run in this step."""
 
-    @property
-    def end(self) -> int:
-        return self.start + self.num_tokens
+    __slots__ = ("end", "num_tokens", "samples", "seq", "start")
 
-    @property
-    def samples(self) -> bool:
-        """This step computes the sequence's last known token, so its logits are sampled."""
-        return self.end == len(self.seq.token_ids)
+    def __init__(self, seq: Sequence, start: int, num_tokens: int) -> None:
+        self.seq = seq
+        self.start = start
+        self.num_tokens = num_tokens
+        self.end = start + num_tokens
+        # The step computes the sequence's last known token, so its logits are sampled.
+        self.samples = self.end == len(seq.token_ids)
+
+    def __repr__(self) -> str:
+        return f"ScheduledSeq({self.seq.request_id!r}, start={self.start}, n={self.num_tokens})"
 
 
 @dataclass
@@ -168,8 +169,11 @@ class Scheduler:
             if seq.status is not SeqStatus.DECODING:
                 i += 1
                 continue
-            assert seq.page_table is not None
-            while not seq.page_table.grow(seq.num_computed + 1, self.allocator):
+            table = seq.page_table
+            assert table is not None
+            while seq.num_computed >= table.capacity and not table.grow(
+                seq.num_computed + 1, self.allocator
+            ):
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is seq:
