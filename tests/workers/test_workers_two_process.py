@@ -28,8 +28,10 @@ class WorkerProcess:
     """`python -m pdengine.cli <role> --port 0 --transport nixl`, read until its ready line."""
 
     def __init__(self, role: str) -> None:
+        # One compute thread per worker: two OpenMP pools spinning on a 2-core CI box slow
+        # every step several-fold.
         env = {**os.environ, "PDENGINE_CLUSTER_TOKEN": TOKEN, "UCX_NET_DEVICES": "lo",
-               "UCX_TLS": os.environ.get("UCX_TLS", "tcp,self,sm")}
+               "UCX_TLS": os.environ.get("UCX_TLS", "tcp,self,sm"), "OMP_NUM_THREADS": "1"}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pdengine.cli", role, "--port", "0", "--transport", "nixl"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
