@@ -26,6 +26,7 @@ import anyio.abc
 from pdengine.config import Deadlines, SchedulerConfig
 from pdengine.engine.base import EngineBase, RequestStream
 from pdengine.model import load_model
+from pdengine.transport import FaultConfig
 from pdengine.types import PDEngineError, SamplingParams
 from pdengine.workers import DecodeWorker, LivenessConfig, PrefillWorker
 
@@ -45,6 +46,8 @@ class PDEngine(EngineBase):
         dtype: str | None = None,
         device: str = "cpu",
         checksums: bool = True,
+        prefill_faults: FaultConfig | None = None,
+        decode_faults: FaultConfig | None = None,
         seed: int | None = None,
     ) -> None:
         self.model_name = str(model)
@@ -55,6 +58,10 @@ class PDEngine(EngineBase):
         self._dtype = dtype
         self._device = device
         self._checksums = checksums
+        # transport faults (tests, chaos): WRITE faults act on the sender, notification
+        # faults and corruption on the receiver
+        self._prefill_faults = prefill_faults
+        self._decode_faults = decode_faults
         self._rng = random.Random(seed)
         self._tg: anyio.abc.TaskGroup | None = None
         self.prefill: PrefillWorker | None = None
@@ -73,9 +80,11 @@ class PDEngine(EngineBase):
             "device": self._device,
         }
         self.prefill = PrefillWorker.create(
-            self._model_ref, self._transport, loaded=loaded, **common
+            self._model_ref, self._transport, loaded=loaded, faults=self._prefill_faults, **common
         )
-        self.decode = DecodeWorker.create(self._model_ref, self._transport, loaded=loaded, **common)
+        self.decode = DecodeWorker.create(
+            self._model_ref, self._transport, loaded=loaded, faults=self._decode_faults, **common
+        )
         self.decode.connect_local(_LOCAL_PREFILL, self.prefill)
         self.tokenizer = self.decode.tokenizer
         self.vocab_size = self.decode.vocab_size

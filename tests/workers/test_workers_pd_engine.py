@@ -10,6 +10,7 @@ import pytest
 from pdengine.config import Deadlines, SchedulerConfig
 from pdengine.engine import Engine
 from pdengine.fsm import ReleasePages, RoomState
+from pdengine.transport import FaultConfig
 from pdengine.types import RequestFailedError, SamplingParams
 from pdengine.workers import DecodeWorker, PrefillWorker
 
@@ -135,3 +136,23 @@ async def test_waiting_for_input_deadline_fails_decode_and_frees_its_pages() -> 
         assert decode.actor.result(5).state is RoomState.FAILED
         assert decode.stats()["rooms_live"] == 0
         tg.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize(
+    ("faults", "reason", "decode_counter"),
+    [({"decode_faults": FaultConfig(corrupt=1.0)}, "checksum mismatch",
+      "pdengine_checksum_failures_total"),
+     ({"prefill_faults": FaultConfig(fail_write=1.0)}, "WRITE",
+      "pdengine_num_transfer_failed_reqs_total")],
+)
+async def test_a_broken_transfer_fails_the_request_clearly_and_frees_both_sides(
+    faults: dict, reason: str, decode_counter: str
+) -> None:
+    async with Engine("tiny", mode="pd", scheduler_config=CONFIG, **faults) as pd:
+        with anyio.fail_after(10), pytest.raises(RequestFailedError, match=reason):
+            await pd.generate(prompt_token_ids=_prompts(1, base=100)[0], params=GREEDY)
+        with anyio.fail_after(5):
+            while pd.stats()["pages_used"]:  # decode pages: quarantined until the ack
+                await anyio.sleep(0.01)
+        assert pd.decode.metrics.registry.get_sample_value(decode_counter, {"role": "decode"}) == 1
+        _assert_idle(pd.stats())
