@@ -181,8 +181,9 @@ def _print_human(report: Report) -> None:
     print(f"device: {report.device}  dtype: {report.dtype}  copy: {report.copy_gbps:.1f} GB/s")
     print("decode  batch  context  splits(chosen/best)  GB/s   of-copy  chooser/best")
     for r in report.decode:
-        print(f"        {r['batch']:5d}  {r['context']:7d}  {r['chosen_splits']:6d}/{r['best_splits']:<4d}"
-              f"       {r['gbps']:7.1f}  {r['fraction_of_copy']:6.1%}  {r['chooser_vs_best']:.2f}")  # fmt: skip
+        splits = f"{r['chosen_splits']:6d}/{r['best_splits']:<4d}"
+        print(f"        {r['batch']:5d}  {r['context']:7d}  {splits}       {r['gbps']:7.1f}"
+              f"  {r['fraction_of_copy']:6.1%}  {r['chooser_vs_best']:.2f}")  # fmt: skip
     print("prefill tokens  paged TFLOP/s  SDPA TFLOP/s  paged/SDPA")
     for r in report.prefill:
         print(f"        {r['tokens']:6d}  {r['paged_tflops']:12.2f}  {r['sdpa_tflops']:12.2f}"
@@ -225,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     report.copy_gbps = bench_copy(torch, sizes, dtype, device, timer)
     bench_decode(torch, sizes, dtype, device, timer, budget, report)
-    report.prefill = [prefill_point(torch, sizes, n, dtype, device, timer) for n in sizes.prefill_lens]
+    for n in sizes.prefill_lens:
+        report.prefill.append(prefill_point(torch, sizes, n, dtype, device, timer))
     if args.json:
         print(json.dumps({**asdict(report), "sizes": asdict(sizes)}))
     else:

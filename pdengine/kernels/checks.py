@@ -19,7 +19,8 @@ def _fail(name: str, msg: str) -> None:
 def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int, int]:
     """K/V caches are [num_pages, page_size, Hkv, D] views; return that shape."""
     if k_cache.dim() != 4:
-        _fail("k_cache", f"expected [num_pages, page_size, Hkv, D], got shape {tuple(k_cache.shape)}")
+        shape = tuple(k_cache.shape)
+        _fail("k_cache", f"expected [num_pages, page_size, Hkv, D], got shape {shape}")
     if v_cache.shape != k_cache.shape:
         _fail("v_cache", f"shape {tuple(v_cache.shape)} != k_cache {tuple(k_cache.shape)}")
     if k_cache.dtype not in FLOAT_DTYPES:
@@ -34,7 +35,9 @@ def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int,
     return int(p), int(s), int(h), int(d)
 
 
-def _check_index(name: str, t: torch.Tensor, dims: int, dtype: torch.dtype, dev: torch.device) -> None:
+def _check_index(
+    name: str, t: torch.Tensor, dims: int, dtype: torch.dtype, dev: torch.device
+) -> None:
     if t.dim() != dims:
         _fail(name, f"expected {dims} dims, got shape {tuple(t.shape)}")
     if t.dtype != dtype:

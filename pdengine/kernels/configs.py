@@ -57,12 +57,20 @@ def _shrink_for_head_dim(cfg: LaunchConfig, head_dim: int) -> LaunchConfig:
     return cfg
 
 
+def decode_config_for(arch_name: str, head_dim: int) -> LaunchConfig:
+    return _shrink_for_head_dim(_DECODE[arch_name], head_dim)
+
+
+def prefill_config_for(arch_name: str, head_dim: int) -> LaunchConfig:
+    return _shrink_for_head_dim(_PREFILL[arch_name], head_dim)
+
+
 def decode_config(device: torch.device, head_dim: int) -> LaunchConfig:
-    return _shrink_for_head_dim(_DECODE[arch(device)], head_dim)
+    return decode_config_for(arch(device), head_dim)
 
 
 def prefill_config(device: torch.device, head_dim: int) -> LaunchConfig:
-    return _shrink_for_head_dim(_PREFILL[arch(device)], head_dim)
+    return prefill_config_for(arch(device), head_dim)
 
 
 def num_sms(device: torch.device) -> int:

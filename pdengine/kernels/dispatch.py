@@ -20,7 +20,9 @@ import torch
 BACKENDS = ("triton", "torch")
 ENV_VAR = "PDENGINE_KERNELS"
 
-_forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("pdengine_kernels", default=None)
+_forced: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "pdengine_kernels", default=None
+)
 
 _MODULES = {
     ("triton", "store_kv"): "pdengine.kernels.triton_store",

@@ -5,7 +5,7 @@ too much shared memory); compiling to cubin for sm_90 (Hopper) and sm_100 (Black
 with the launch table's parameters catches that on CPU-only CI. Run as a script in a
 process without TRITON_INTERPRET (the interpreter replaces @triton.jit):
 
-    python tests/kernels/kernels_aot.py ARCH DTYPE [KERNEL ...]   -> one JSON line per kernel
+    python tests/kernels/kernels_aot.py ARCH DTYPE HEAD_DIM [KERNEL ...]  -> a JSON line per kernel
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pdengine.kernels import triton_store as ts
 
 CAPABILITY = {"hopper": 90, "blackwell": 100}
 PTR = {"float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16"}
-HEAD_DIM, GROUP, PAGE_SIZE = 128, 4, 16
+GROUP, PAGE_SIZE = 4, 16
 
 
 def _compile(fn, pointers: dict, constexprs: dict, cc: int, cfg: configs.LaunchConfig) -> dict:
@@ -42,17 +42,17 @@ def _compile(fn, pointers: dict, constexprs: dict, cc: int, cfg: configs.LaunchC
     return {"kernel": fn.__name__, "cc": cc, "shared": kernel.metadata.shared}
 
 
-def build(arch: str, dtype: str, kernel: str) -> dict:
+def build(arch: str, dtype: str, head_dim: int, kernel: str) -> dict:
     cc, ptr = CAPABILITY[arch], PTR[dtype]
     precision = "ieee" if dtype == "float32" else "tf32"
-    dec = configs._DECODE[arch]
-    pre = configs._PREFILL[arch]
+    dec = configs.decode_config_for(arch, head_dim)
+    pre = configs.prefill_config_for(arch, head_dim)
     kv = {"KCache": ptr, "VCache": ptr, "PageTable": "*i32", "SeqLens": "*i32"}
     if kernel == "decode_split":
         return _compile(
             td._decode_split_kernel,
             {**kv, "Q": ptr, "PartOut": "*fp32", "PartLse": "*fp32"},
-            {"GROUP": GROUP, "BLOCK_H": 16, "HEAD_DIM": HEAD_DIM, "BLOCK_D": HEAD_DIM,
+            {"GROUP": GROUP, "BLOCK_H": 16, "HEAD_DIM": head_dim, "BLOCK_D": head_dim,
              "PAGE_SIZE": PAGE_SIZE, "BLOCK_N": dec.block_n, "UPCAST": False,
              "DOT_PRECISION": precision},
             cc, dec,
@@ -61,14 +61,14 @@ def build(arch: str, dtype: str, kernel: str) -> dict:
         return _compile(
             td._decode_merge_kernel,
             {"PartOut": "*fp32", "PartLse": "*fp32", "Out": ptr},
-            {"HEAD_DIM": HEAD_DIM, "BLOCK_D": HEAD_DIM, "BLOCK_S": 64},
+            {"HEAD_DIM": head_dim, "BLOCK_D": head_dim, "BLOCK_S": 64},
             cc, configs.LaunchConfig(16, 16, 4, 1),
         )  # fmt: skip
     if kernel == "prefill":
         return _compile(
             tp._prefill_kernel,
             {**kv, "Q": ptr, "CuQLens": "*i32", "Out": ptr},
-            {"GROUP": GROUP, "HEAD_DIM": HEAD_DIM, "BLOCK_D": HEAD_DIM, "PAGE_SIZE": PAGE_SIZE,
+            {"GROUP": GROUP, "HEAD_DIM": head_dim, "BLOCK_D": head_dim, "PAGE_SIZE": PAGE_SIZE,
              "BLOCK_M": pre.block_m, "BLOCK_N": pre.block_n, "UPCAST": False,
              "DOT_PRECISION": precision},
             cc, pre,
@@ -77,13 +77,13 @@ def build(arch: str, dtype: str, kernel: str) -> dict:
         return _compile(
             ts._store_kv_kernel,
             {"K": ptr, "V": ptr, "KCache": ptr, "VCache": ptr, "Slots": "*i64"},
-            {"PAGE_SIZE": PAGE_SIZE, "HEAD_DIM": HEAD_DIM, "BLOCK_D": HEAD_DIM},
+            {"PAGE_SIZE": PAGE_SIZE, "HEAD_DIM": head_dim, "BLOCK_D": head_dim},
             cc, configs.LaunchConfig(16, 16, 4, 1),
         )  # fmt: skip
     raise SystemExit(f"unknown kernel {kernel!r}")
 
 
 if __name__ == "__main__":
-    arch, dtype, *kernels = sys.argv[1:]
+    arch, dtype, head_dim, *kernels = sys.argv[1:]
     for name in kernels or ["decode_split", "decode_merge", "prefill", "store"]:
-        print(json.dumps(build(arch, dtype, name)), flush=True)
+        print(json.dumps(build(arch, dtype, int(head_dim), name)), flush=True)
