@@ -111,8 +111,13 @@ async def _reference_outputs(cfg: CorruptionConfig, prompts: list[list[int]]) ->
                 cfg, prompts, lambda p: _generate_http(client, cfg.reference_url, p, cfg.max_tokens)
             )
         return cfg.reference_url, outs
+    import torch
+
     from pdengine.engine import Engine  # the in-process reference is only loaded when used
 
+    # The reference only has to be right, and the deployment under test shares this machine:
+    # one thread, instead of a thread pool fighting the workers for the cores.
+    torch.set_num_threads(1)
     model = cfg.model or await anyio.to_thread.run_sync(_served_model, cfg.url)
     params = SamplingParams(max_tokens=cfg.max_tokens, temperature=0.0, ignore_eos=True)
     async with Engine(model=model, mode="colocated") as engine:
