@@ -13,7 +13,6 @@ from obs_serve_helpers import running_serve, wait_for
 from pdengine.server import probe
 from pdengine.server.diagnostics_scrape import discover_workers, scrape_all
 
-pytest.importorskip("pdengine.server.launch", reason="`pdengine serve` has not landed")
 pytestmark = pytest.mark.timeout(240)
 
 STALLED = {

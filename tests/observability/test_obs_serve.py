@@ -15,7 +15,6 @@ from obs_serve_helpers import BackgroundLoad, read_spans, running_serve, wait_fo
 
 from pdengine.server import bench_cli, probe
 
-pytest.importorskip("pdengine.server.launch", reason="`pdengine serve` has not landed")
 pytestmark = pytest.mark.timeout(240)
 
 
