@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 from typing import Any
 
 import anyio
@@ -61,20 +62,24 @@ class ColocatedEngine(EngineBase):
         self._wake = anyio.Event()
         self._limiter = anyio.CapacityLimiter(1)
         self._tg: TaskGroup | None = None
+        self._loop_thread = -1
+        self.core: EngineCore | None = None
         self._failure: BaseException | None = None
         self._counters = {"requests_finished": 0, "requests_aborted": 0, "steps": 0}
 
     # ---- lifecycle ------------------------------------------------------------------------
 
     async def _start(self) -> None:
-        self.core, self.tokenizer = await anyio.to_thread.run_sync(
+        core, self.tokenizer = await anyio.to_thread.run_sync(
             lambda: EngineCore.load(
                 self._model_ref, self._config, dtype=self._dtype, device=self._device
             )
         )
-        self.scheduler = self.core.scheduler
-        self.vocab_size = self.core.model.config.vocab_size
-        self.max_model_len = self.core.max_model_len
+        self.core = core
+        self.scheduler = core.scheduler
+        self.vocab_size = core.model.config.vocab_size
+        self.max_model_len = core.max_model_len
+        self._loop_thread = threading.get_ident()
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         self._tg.start_soon(self._loop, name="pdengine-engine-loop")
@@ -114,10 +119,15 @@ class ColocatedEngine(EngineBase):
         if request_id not in self._requests:
             return False
         self._aborts.add(request_id)
-        self._wake.set()
+        # A stream collected by the GC in another thread lands here too: the event is not
+        # thread-safe, and the loop, busy with a step, picks the abort up after it anyway.
+        if threading.get_ident() == self._loop_thread:
+            self._wake.set()
         return True
 
     def stats(self) -> dict[str, Any]:
+        if self.core is None:  # not started
+            return {"running": 0, "waiting": 0, "pages_used": 0, "requests_in_flight": 0}
         return {
             **self.scheduler.stats(),
             "inbox": len(self._inbox),
@@ -128,13 +138,15 @@ class ColocatedEngine(EngineBase):
     # ---- the loop -------------------------------------------------------------------------
 
     async def _loop(self) -> None:
+        core = self.core
+        assert core is not None
         try:
             while True:
                 await self._wake.wait()
                 self._wake = anyio.Event()
                 self._apply_inbox()
                 while self.scheduler.has_work():
-                    ran = await anyio.to_thread.run_sync(self.core.step, limiter=self._limiter)
+                    ran = await anyio.to_thread.run_sync(core.step, limiter=self._limiter)
                     if ran is None:  # every request fits an empty pool, so this is a bug
                         raise RuntimeError(f"scheduler stalled: {self.scheduler.stats()}")
                     self._counters["steps"] += 1

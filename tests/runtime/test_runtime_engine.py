@@ -28,7 +28,9 @@ async def wait_idle(engine: ColocatedEngine) -> dict:
 
 
 async def test_generate_stream_and_chat(tiny_path):
-    async with Engine(model=str(tiny_path), scheduler_config=SMALL) as engine:
+    engine = Engine(model=str(tiny_path), scheduler_config=SMALL)
+    assert engine.stats()["pages_used"] == 0  # before start: the gauges' idle values
+    async with engine:
         out = await engine.generate(prompt_token_ids=[1, 2, 3], params=greedy(16))
         assert len(out.token_ids) == 16 and out.finish_reason == "length"
         assert out.prompt_token_ids == [1, 2, 3] and out.metrics["ttft_s"] > 0
