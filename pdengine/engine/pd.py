@@ -27,12 +27,13 @@ from pdengine.config import Deadlines, SchedulerConfig
 from pdengine.engine.base import EngineBase, RequestStream
 from pdengine.model import load_model
 from pdengine.transport import FaultConfig
-from pdengine.types import PDEngineError, SamplingParams
+from pdengine.types import InvalidRequestError, PDEngineError, SamplingParams
 from pdengine.workers import DecodeWorker, LivenessConfig, PrefillWorker
 
 log = logging.getLogger(__name__)
 
 _LOCAL_PREFILL = "inproc://prefill"
+TRANSPORTS = ("loopback", "nixl")
 
 
 class PDEngine(EngineBase):
@@ -50,6 +51,8 @@ class PDEngine(EngineBase):
         decode_faults: FaultConfig | None = None,
         seed: int | None = None,
     ) -> None:
+        if transport not in TRANSPORTS:
+            raise InvalidRequestError("transport", f"must be one of {TRANSPORTS}, not {transport!r}")
         self.model_name = str(model)
         self._model_ref = model
         self._transport = transport

@@ -74,6 +74,15 @@ class _Job:
     last_token_at: float = 0.0
 
 
+def _aux_problem(aux: dict[str, Any], prompt_len: int) -> str:
+    """Why the last chunk's aux record cannot start decoding, or "" when it can."""
+    if "first_token" not in aux:
+        return "the transfer ended without its aux record"
+    if aux.get("prompt_len") != prompt_len:
+        return f"prefill computed {aux.get('prompt_len')} prompt tokens, not {prompt_len}"
+    return ""
+
+
 def _send(job: _Job, item: StreamDelta | BaseException) -> None:
     """Hand an item to the request's reader; a reader that went away is not an error."""
     with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
@@ -262,12 +271,13 @@ class DecodeWorker(WorkerCore):
         for effect in deliveries:
             job = self._jobs.get(effect.room_id)
             aux = effect.aux or {}
-            if job is None or job.aborted or "first_token" not in aux:
+            problem = _aux_problem(aux, job.seq.num_prompt_tokens) if job else ""
+            if job is None or job.aborted or problem:
                 self.pool.allocator.free(list(effect.pages))
                 if job is not None:
-                    reason = None if job.aborted else RequestFailedError(
-                        f"room {effect.room_id}: transfer ended without its aux record")
-                    self._end(job, reason)
+                    error = None if job.aborted else RequestFailedError(
+                        f"room {effect.room_id}: {problem}")
+                    self._end(job, error)
                 continue
             job.phase = "decoding"
             out = self.scheduler.add_prefilled(job.seq, list(effect.pages), aux["first_token"])

@@ -105,6 +105,10 @@ class PrefillWorker(WorkerCore):
         """The decode side's pages for a room (the end of the bootstrap)."""
         if not self.is_registered(peer):
             raise InvalidRequestError("peer", f"{peer!r} is not registered")
+        done = self.actor.result(room_id)
+        if done is not None:  # e.g. its bootstrap deadline fired: tell decode now, not at its own
+            raise RequestFailedError(f"room {room_id} already ended on prefill: "
+                                     f"{done.state.name} {done.reason}".rstrip())
         if room_id in self._jobs:
             await self.actor.post(Bootstrapped(room_id, peer=peer, dst_pages=tuple(dst_pages)))
             return

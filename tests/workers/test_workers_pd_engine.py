@@ -156,3 +156,26 @@ async def test_a_broken_transfer_fails_the_request_clearly_and_frees_both_sides(
                 await anyio.sleep(0.01)
         assert pd.decode.metrics.registry.get_sample_value(decode_counter, {"role": "decode"}) == 1
         _assert_idle(pd.stats())
+
+
+async def test_decode_arriving_after_the_prefill_room_timed_out_fails_at_once() -> None:
+    prefill = PrefillWorker.create("tiny", "loopback", scheduler=CONFIG, deadlines=Deadlines(
+        bootstrap_s=0.2, waiting_for_input_s=30, transfer_progress_s=30))
+    decode = DecodeWorker.create("tiny", "loopback", scheduler=CONFIG, deadlines=Deadlines(
+        bootstrap_s=30, waiting_for_input_s=30, transfer_progress_s=30, drain_s=30),
+        loaded=(prefill.model, prefill.tokenizer))
+    decode.connect_local("inproc://p", prefill)
+    prompt = _prompts(1)[0]
+    async with anyio.create_task_group() as tg:
+        await tg.start(prefill.run)
+        await tg.start(decode.run)
+        with pytest.raises(RequestFailedError, match="BOOTSTRAPPING"):
+            await prefill.prefill(21, prompt, GREEDY)
+        with anyio.fail_after(3), pytest.raises(RequestFailedError, match="already ended"):
+            async for _ in decode.stream(21, prompt, GREEDY, "inproc://p"):
+                pass
+        with anyio.fail_after(3):  # prefill acks the ABORT at once: no 30 s drain wait
+            while decode.stats()["kv_pages_used"]:
+                await anyio.sleep(0.01)
+        assert decode.actor.result(21).state is RoomState.FAILED
+        tg.cancel_scope.cancel()
