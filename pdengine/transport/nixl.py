@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import struct
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +36,9 @@ from pdengine.transport.base import PageRun, TransportError, XferState
 log = logging.getLogger(__name__)
 
 _MAGIC = b"PDNX1"
+# UCX must progress a while after an endpoint failed, or tearing the worker down
+# trips an assertion (pending requests still queued on the dead endpoint).
+_SETTLE_AFTER_DISCONNECT_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -103,6 +107,8 @@ class NixlBackend:
         self._levels: _LevelIndex | None = None
         self._local_dlist: Any = None
         self._peers: dict[str, tuple[Any, _LevelIndex]] = {}
+        self._disconnected: set[str] = set()
+        self._handle_peer: dict[int, str] = {}
         self.descriptors_posted = 0
 
     # -- registration and peers -------------------------------------------------
@@ -155,6 +161,7 @@ class NixlBackend:
         except Exception as exc:
             raise TransportError(f"cannot load peer {header['agent']}: {exc}") from exc
         peer = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+        self._disconnected.discard(peer)
         levels = _LevelIndex(pool.num_pages, self._max_run_level)
         levels.max_level = min(levels.max_level, self._levels.max_level)
         dlist = self._agent.prep_xfer_dlist(peer, levels.descriptors(pool), pool.mem_type)
@@ -165,6 +172,8 @@ class NixlBackend:
         entry = self._peers.pop(peer, None)
         if entry is None:
             return
+        if peer in self._disconnected:
+            self._settle()
         try:
             entry[0].release()
             self._agent.remove_remote_agent(peer)
@@ -182,6 +191,8 @@ class NixlBackend:
         entry = self._peers.get(peer)
         if entry is None or self._levels is None:
             raise TransportError(f"unknown peer {peer!r} (add_peer first)")
+        if peer in self._disconnected:  # never queue more work on a dead endpoint
+            raise TransportError(f"peer {peer} is gone (NIXL_ERR_REMOTE_DISCONNECT earlier)")
         remote_dlist, remote_levels = entry
         local_idx: list[int] = []
         remote_idx: list[int] = []
@@ -199,18 +210,21 @@ class NixlBackend:
         self.descriptors_posted += len(local_idx)
         try:
             state = self._agent.transfer(handle)
-        except Exception:
+        except Exception as exc:
+            self._note_error(peer, exc)
             self._release_quietly(handle)
             raise
         if state == "ERR":
             self._release_quietly(handle)
             raise TransportError(f"posting a WRITE to {peer} returned ERR")
+        self._handle_peer[id(handle)] = peer
         return handle
 
     def check(self, handle: Any) -> tuple[XferState, str]:
         try:
             state = self._agent.check_xfer_state(handle)
         except Exception as exc:
+            self._note_error(self._handle_peer.get(id(handle), ""), exc)
             return XferState.FAILED, f"{type(exc).__name__}: {exc}"
         if state == "DONE":
             return XferState.DONE, ""
@@ -219,6 +233,7 @@ class NixlBackend:
         return XferState.PENDING, ""
 
     def release(self, handle: Any) -> None:
+        self._handle_peer.pop(id(handle), None)
         self._release_quietly(handle)
 
     def _release_quietly(self, handle: Any) -> None:
@@ -230,10 +245,22 @@ class NixlBackend:
     # -- notifications -------------------------------------------------------------
 
     def send_notification(self, peer: str, message: bytes) -> None:
+        if peer in self._disconnected:
+            raise TransportError(f"peer {peer} is gone (NIXL_ERR_REMOTE_DISCONNECT earlier)")
         try:
             self._agent.send_notif(peer, message)
         except Exception as exc:
+            self._note_error(peer, exc)
             raise TransportError(f"notification to {peer} failed: {exc}") from exc
+
+    def _note_error(self, peer: str, exc: Exception) -> None:
+        if "DISCONNECT" in f"{type(exc).__name__} {exc}".upper():
+            self._disconnected.add(peer)
+
+    def _settle(self) -> None:
+        deadline = time.monotonic() + _SETTLE_AFTER_DISCONNECT_S
+        while time.monotonic() < deadline:
+            self._agent.get_new_notifs()
 
     def recv_notifications(self) -> list[tuple[str, bytes]]:
         out: list[tuple[str, bytes]] = []
@@ -243,6 +270,9 @@ class NixlBackend:
         return out
 
     def close(self) -> None:
+        if self._disconnected:
+            self._settle()
+            self._disconnected.clear()
         for peer in list(self._peers):
             self.remove_peer(peer)
         if self._local_dlist is not None:
