@@ -74,6 +74,35 @@ def _first_logprobs(seq: Sequence) -> dict[str, Any]:
     return {"first_logprobs": [[int(t), float(lp)] for t, lp in seq.logprobs[-1].items()]}
 
 
+class _BeforeRoom:
+    """What the decode side said about a room before the router's prefill call created it
+    (its destination pages, or its abort). Entries older than `ttl_s` are forgotten."""
+
+    def __init__(self, ttl_s: float) -> None:
+        self.ttl_s = ttl_s
+        self.destinations: dict[int, tuple[str, tuple[int, ...], float]] = {}
+        self.aborts: dict[int, tuple[str, float]] = {}
+
+    def _prune(self) -> float:
+        now = time.monotonic()
+        for table in (self.destinations, self.aborts):
+            for rid in [r for r, entry in table.items() if entry[-1] < now - self.ttl_s]:
+                del table[rid]
+        return now
+
+    def add_destination(self, room_id: int, peer: str, pages: list[int]) -> None:
+        self.destinations[room_id] = (peer, tuple(pages), self._prune())
+
+    def add_abort(self, room_id: int, reason: str) -> None:
+        self.destinations.pop(room_id, None)
+        self.aborts[room_id] = (reason, self._prune())
+
+    def take(self, room_id: int) -> tuple[tuple[str, tuple[int, ...], float] | None, str | None]:
+        self._prune()
+        aborted = self.aborts.pop(room_id, None)
+        return self.destinations.pop(room_id, None), None if aborted is None else aborted[0]
+
+
 class PrefillWorker(WorkerCore):
     role = "prefill"
 
@@ -81,7 +110,7 @@ class PrefillWorker(WorkerCore):
                  loaded: tuple[Any, Any] | None = None) -> None:
         super().__init__(model_ref, options, metrics, loaded)
         self._jobs: dict[int, _Job] = {}  # compute-side records; room state is in the actor
-        self._early: dict[int, tuple[str, list[int], float]] = {}  # destination before room
+        self._before = _BeforeRoom(self.options.deadlines.bootstrap_s)
         self.actor.on(RoomTerminal, self._on_room_terminal)
         self.actor.on(TellPeer, self._tell_peer)
         self.actor.on(AckAbort, self._ack_abort)
@@ -111,12 +140,8 @@ class PrefillWorker(WorkerCore):
                                      f"{done.state.name} {done.reason}".rstrip())
         if room_id in self._jobs:
             await self.actor.post(Bootstrapped(room_id, peer=peer, dst_pages=tuple(dst_pages)))
-            return
-        now = time.monotonic()
-        horizon = now - self.options.deadlines.bootstrap_s
-        for rid in [r for r, (_, _, t) in self._early.items() if t < horizon]:
-            del self._early[rid]
-        self._early[room_id] = (peer, list(dst_pages), now)
+        else:
+            self._before.add_destination(room_id, peer, dst_pages)
 
     # ---- router API -----------------------------------------------------------------------
 
@@ -128,6 +153,10 @@ class PrefillWorker(WorkerCore):
             raise InvalidRequestError("bootstrap_room", f"room {room_id} is already in use")
         ids = list(prompt_token_ids)
         self.scheduler.check_fits(len(ids), params.max_tokens)
+        early, aborted = self._before.take(room_id)
+        if aborted is not None:
+            raise RequestFailedError(f"room {room_id} was aborted by decode before its "
+                                     f"prefill arrived: {aborted}")
         seq = Sequence(f"room-{room_id}", ids, params)
         try:
             self.actor.post_nowait(CreateRoom(room_id, "prefill", meta={"prompt_len": len(ids)}))
@@ -135,9 +164,8 @@ class PrefillWorker(WorkerCore):
             raise OverloadedError(str(exc)) from exc
         self._jobs[room_id] = _Job(room_id, seq)
         self.wake_transport()
-        early = self._early.pop(room_id, None)
         if early is not None:
-            self.actor.post_nowait(Bootstrapped(room_id, peer=early[0], dst_pages=tuple(early[1])))
+            self.actor.post_nowait(Bootstrapped(room_id, peer=early[0], dst_pages=early[1]))
         try:
             result = await self.actor.wait_terminal(room_id)
         except BaseException:
@@ -149,7 +177,7 @@ class PrefillWorker(WorkerCore):
         return out
 
     def abort(self, room_id: int, reason: str = "aborted") -> None:
-        self._early.pop(room_id, None)
+        self._before.take(room_id)
         state = self.room_state(room_id)
         if state is not None and not state.terminal:
             self.actor.post_nowait(Abort(room_id, reason=reason))
@@ -258,8 +286,9 @@ class PrefillWorker(WorkerCore):
     def _observe_event(self, event: Event) -> None:
         if isinstance(event, ChunkDone) and event.is_last:
             self.wake()
-        elif isinstance(event, Abort):  # the decode side gave up before this room existed
-            self._early.pop(event.room_id, None)
+        elif (isinstance(event, Abort) and event.room_id not in self._jobs
+              and self.actor.result(event.room_id) is None):  # decode gave up before the room
+            self._before.add_abort(event.room_id, event.reason)
 
     def _on_stop(self) -> None:
         for job in list(self._jobs.values()):
@@ -277,7 +306,8 @@ class PrefillWorker(WorkerCore):
             "num_queue_reqs": len(self.scheduler.waiting)
             + sum(1 for j in self._jobs.values() if not j.admitted and not j.terminal),
             "num_running_reqs": len(self.scheduler.running),
-            "early_destinations": len(self._early),
+            "early_destinations": len(self._before.destinations),
+            "early_aborts": len(self._before.aborts),
             "jobs": len(self._jobs),
             "peers": len(self._peer_urls),
             **self.counters,

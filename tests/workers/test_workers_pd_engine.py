@@ -135,6 +135,10 @@ async def test_waiting_for_input_deadline_fails_decode_and_frees_its_pages() -> 
                 await anyio.sleep(0.01)
         assert decode.actor.result(5).state is RoomState.FAILED
         assert decode.stats()["rooms_live"] == 0
+        # the router's prefill call, arriving late, fails at once instead of waiting to bootstrap
+        with anyio.fail_after(1), pytest.raises(RequestFailedError, match="aborted by decode"):
+            await prefill.prefill(5, _prompts(1)[0], GREEDY)
+        assert prefill.stats()["rooms_live"] == 0 and prefill.stats()["kv_pages_used"] == 0
         tg.cancel_scope.cancel()
 
 
