@@ -56,6 +56,8 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """One new token per sequence: q [B, Hq, D] attends to its seq_lens[b] cached tokens.
 
+    A sequence of length 0 (a padding row of a fixed-size batch) gets zeros.
+
     ``num_kv_splits`` and ``max_seq_len`` are accepted for signature parity and
     ignored: the twin is exact and reads the lengths itself.
     """
@@ -65,6 +67,8 @@ def paged_decode_attention(
         return q.new_empty((0, hq, d))
     page_size = k_cache.shape[1]
     max_len = int(seq_lens.max())
+    if max_len == 0:
+        return torch.zeros_like(q)
     n_pages = -(-max_len // page_size)
     # Pages past a sequence's end may hold padding indices: clamp them to a valid
     # page and mask the tokens out.
@@ -76,7 +80,8 @@ def paged_decode_attention(
     out = F.scaled_dot_product_attention(
         q.unsqueeze(2), k, v, attn_mask=mask, scale=sm_scale, enable_gqa=True
     )
-    return out.squeeze(2)
+    # A padding row (length 0) has every key masked: zeros, not NaN.
+    return out.squeeze(2).masked_fill((seq_lens == 0)[:, None, None], 0.0)
 
 
 def paged_prefill_attention(

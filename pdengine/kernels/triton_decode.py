@@ -5,7 +5,7 @@ whole GQA group of that KV head (padded to a 16-row tile so ``tl.dot`` is legal 
 every GPU), walks its slice of the context tile by tile through the page table,
 and writes its normalised partial output plus its log-sum-exp (base 2).
 A split whose slice is empty (short sequence in a batch) writes lse = -inf and
-weighs nothing in the merge. Stage 2 runs one program per (sequence, Q head)
+weighs nothing in the merge; a sequence of length 0 merges to zeros. Stage 2 runs one program per (sequence, Q head)
 and combines the splits with max-shifted weights. Any split count gives the same
 result up to float rounding (DESIGN.md §1.6).
 """
@@ -109,10 +109,12 @@ def _decode_merge_kernel(
     dmask = d < HEAD_DIM
     lse = tl.load(PartLse + b * stride_lb + head * stride_lh + s, mask=smask, other=float("-inf"))
     m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # an empty sequence: every split is empty
     w = tl.exp2(lse - m)  # empty splits (lse = -inf) weigh 0
     part = tl.load(PartOut + b * stride_pb + head * stride_ph + s[:, None] * stride_ps + d[None, :],
                    mask=smask[:, None] & dmask[None, :], other=0.0)  # fmt: skip
-    out = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
+    total = tl.sum(w, 0)
+    out = tl.sum(part * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
     tl.store(Out + b * stride_ob + head * stride_oh + d, out.to(Out.dtype.element_ty), mask=dmask)
 
 
@@ -126,7 +128,9 @@ def paged_decode_attention(
     num_kv_splits: int | None = None,
     max_seq_len: int | None = None,
 ) -> torch.Tensor:
-    """q [B, Hq, D] attends to each sequence's seq_lens[b] >= 1 paged tokens -> [B, Hq, D].
+    """q [B, Hq, D] attends to each sequence's seq_lens[b] paged tokens -> [B, Hq, D].
+
+    A sequence of length 0 (a padding row of a fixed-size batch) gets zeros.
 
     ``num_kv_splits=None`` asks ``choose_num_kv_splits`` with ``max_seq_len`` (a host-side
     hint the scheduler knows), or else the page table's capacity

@@ -115,6 +115,24 @@ def test_decode_chooser_default_uses_max_seq_len_hint():
     torch.testing.assert_close(hinted, expected, atol=2e-5, rtol=1e-4)
 
 
+def test_decode_padding_rows_of_length_zero_give_zeros():
+    gen = torch.Generator().manual_seed(9)
+    kv = make_paged_kv([37, 1, 20], 16, 2, 16, torch.float32, gen)
+    kv.seq_lens[1] = 0  # a padding row, as in a fixed-size (graph-captured) batch
+    q = torch.randn(3, 4, 16, generator=gen)
+    for splits in (1, 3):
+        out = td.paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.page_table,
+                                        kv.seq_lens, 0.25, splits)
+        twin = reference.paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.page_table,
+                                                kv.seq_lens, 0.25)
+        assert torch.equal(out[1], torch.zeros_like(out[1]))
+        assert torch.equal(twin[1], torch.zeros_like(twin[1]))
+        torch.testing.assert_close(out, twin, atol=2e-5, rtol=1e-4)
+    empty = torch.zeros(3, dtype=torch.int32)
+    twin = reference.paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.page_table, empty, 0.25)
+    assert torch.equal(twin, torch.zeros_like(q))
+
+
 def test_decode_launcher_rejects_bad_input():
     gen = torch.Generator().manual_seed(1)
     kv = make_paged_kv([5], 16, 2, 16, torch.float32, gen)
