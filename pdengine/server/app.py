@@ -112,7 +112,7 @@ def create_worker_app(
         metrics = Metrics(role)
         worker = await anyio.to_thread.run_sync(
             lambda: cls.create(model, transport=transport, metrics=metrics,
-                               **(worker_options or {}))
+                               **{"cluster_token": cluster_token, **(worker_options or {})})
         )
         for route in internal_routes(worker, cluster_token):
             app.router.routes.append(route)
