@@ -3,7 +3,8 @@
 Same signatures and semantics as the Triton kernels (see ``__init__``). They
 are exact (no KV splitting), vectorised over tokens and heads, and use
 ``scaled_dot_product_attention`` so the CPU path is reasonably fast:
-decode is one batched SDPA call over the gathered pages of all sequences;
+decode is one batched SDPA call over the gathered pages of all sequences
+(or one call per sequence when padding to the longest would dominate);
 prefill loops over sequences only.
 """
 
@@ -38,10 +39,37 @@ def store_kv(
     v_cache[pages, offsets] = v
 
 
+# Decode batches whose padding to the longest sequence would more than double the
+# gathered tokens are attended one sequence at a time instead.
+_RAGGED_PADDING_FACTOR = 2
+
+
 def _gather_pages(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
     """cache [P, S, H, D], pages [..., n] -> [..., n*S, H, D] (tokens in order)."""
     g = cache[pages]  # [..., n, S, H, D]
     return g.flatten(-4, -3)
+
+
+def _sequence_kv(cache: torch.Tensor, table_row: torch.Tensor, length: int) -> torch.Tensor:
+    """One sequence's first ``length`` cached tokens, head-major: [Hkv, length, D]."""
+    pages = table_row[: -(-length // cache.shape[1])].long()
+    return _gather_pages(cache, pages)[:length].transpose(0, 1)
+
+
+def _decode_ragged(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+    lens: list[int], sm_scale: float,
+) -> torch.Tensor:  # fmt: skip
+    out = torch.zeros_like(q)
+    for b, n in enumerate(lens):
+        if n == 0:
+            continue
+        k = _sequence_kv(k_cache, page_table[b], n)
+        v = _sequence_kv(v_cache, page_table[b], n)
+        o = F.scaled_dot_product_attention(q[b].unsqueeze(1), k, v, scale=sm_scale,
+                                           enable_gqa=True)  # fmt: skip
+        out[b] = o.squeeze(1)
+    return out
 
 
 def paged_decode_attention(
@@ -66,9 +94,12 @@ def paged_decode_attention(
     if b == 0:
         return q.new_empty((0, hq, d))
     page_size = k_cache.shape[1]
-    max_len = int(seq_lens.max())
+    lens = seq_lens.tolist()
+    max_len = max(lens)
     if max_len == 0:
         return torch.zeros_like(q)
+    if b * max_len > _RAGGED_PADDING_FACTOR * sum(lens):
+        return _decode_ragged(q, k_cache, v_cache, page_table, lens, sm_scale)
     n_pages = -(-max_len // page_size)
     # Pages past a sequence's end may hold padding indices: clamp them to a valid
     # page and mask the tokens out.
@@ -102,7 +133,6 @@ def paged_prefill_attention(
     """
     check_prefill(q, k_cache, v_cache, page_table, cu_q_lens, seq_lens)
     out = torch.empty_like(q)
-    page_size = k_cache.shape[1]
     cu = cu_q_lens.tolist()
     lens = seq_lens.tolist()
     for b, ctx in enumerate(lens):
@@ -112,9 +142,8 @@ def paged_prefill_attention(
             continue
         if q_len > ctx:
             raise ValueError(f"cu_q_lens: sequence {b} has {q_len} new tokens > seq_lens {ctx}")
-        pages = page_table[b, : -(-ctx // page_size)].long()
-        k = _gather_pages(k_cache, pages)[:ctx].transpose(0, 1)  # [Hkv, L, D]
-        v = _gather_pages(v_cache, pages)[:ctx].transpose(0, 1)
+        k = _sequence_kv(k_cache, page_table[b], ctx)
+        v = _sequence_kv(v_cache, page_table[b], ctx)
         qb = q[start:end].transpose(0, 1)  # [Hq, q_len, D]
         if q_len == ctx:
             o = F.scaled_dot_product_attention(qb, k, v, is_causal=True, scale=sm_scale,

@@ -40,6 +40,23 @@ def test_decode_twin_matches_dense(batch, max_len, page_size, ratio, dtype):
         torch.testing.assert_close(out[b].double(), ref[0], **tolerance(dtype))
 
 
+@pytest.mark.parametrize("padding_factor", [0, 10**9], ids=["per-sequence", "batched"])
+def test_decode_twin_both_paths_match_dense(monkeypatch, padding_factor):
+    monkeypatch.setattr(reference, "_RAGGED_PADDING_FACTOR", padding_factor)
+    gen = torch.Generator().manual_seed(77)
+    kv = make_paged_kv([300, 1, 17, 2], 16, 2, 16, torch.float32, gen)
+    kv.seq_lens[3] = 0  # a padding row
+    q = torch.randn(4, 8, 16, generator=gen)
+    out = reference.paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.page_table,
+                                           kv.seq_lens, 0.3)
+    assert torch.equal(out[3], torch.zeros_like(out[3]))
+    for b in range(3):
+        n = int(kv.seq_lens[b])
+        ref = dense_attention(q[b : b + 1], kv.tokens(b, kv.k_cache), kv.tokens(b, kv.v_cache),
+                              [n - 1], 0.3)
+        torch.testing.assert_close(out[b].double(), ref[0], **tolerance(torch.float32))
+
+
 # (batch, context lens, new tokens per sequence, page size, gqa ratio, dtype)
 PREFILL_CASES = [
     (1, [16], [16], 16, 1, torch.float32),  # whole prompt
