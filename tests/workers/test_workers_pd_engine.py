@@ -64,6 +64,17 @@ async def test_pd_greedy_equals_colocated_for_concurrent_chunked_prompts() -> No
     _assert_idle(stats)
 
 
+async def test_pd_engine_over_nixl_matches_colocated() -> None:
+    prompts = _prompts(2, base=70)
+    async with Engine("tiny", scheduler_config=CONFIG) as colocated:
+        expected = await _gather(colocated, prompts, GREEDY)
+    async with Engine("tiny", mode="pd", transport="nixl", scheduler_config=CONFIG) as pd:
+        got = await _gather(pd, prompts, GREEDY)
+        assert pd.prefill.transport.stats["writes_done"] >= 6  # 70+ tokens: 3+ chunks each
+        _assert_idle(pd.stats())
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+
+
 async def _room_of(decode: DecodeWorker, state: RoomState) -> int:
     with anyio.fail_after(20):
         while True:
