@@ -94,6 +94,7 @@ def _storm(args: argparse.Namespace) -> int:
             f"pins {result.pins}, leaked pages {result.leaked_pages}, "
             f"slowest drain {result.drain_seconds_max:.3f}s"
             + (f"\nstill busy: {result.still_busy}" if result.still_busy else "")
+            + "".join(f"\n{kind}: {text}" for kind, text in result.error_examples.items())
         )
     return 0 if result.ok else 1
 

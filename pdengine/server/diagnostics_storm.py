@@ -59,6 +59,7 @@ class StormResult:
     drain_seconds_max: float = 0.0
     cuts: dict[str, int] = field(default_factory=dict)  # where the aborted streams were cut
     error_kinds: dict[str, int] = field(default_factory=dict)
+    error_examples: dict[str, str] = field(default_factory=dict)  # first message of each kind
     still_busy: dict[str, float] = field(default_factory=dict)  # gauges not idle at the end
 
     @property
@@ -75,6 +76,7 @@ class _Outcome:
     cut: str = ""
     first_token_s: float | None = None
     error: str = ""
+    detail: str = ""
 
 
 def _payload(prompt: list[int], max_tokens: int) -> dict[str, Any]:
@@ -103,8 +105,8 @@ async def _one_stream(
         nonlocal tokens
         async with client.stream("POST", f"{url}/v1/completions", json=payload) as resp:
             if resp.status_code != 200:
-                await resp.aread()
-                return _Outcome("error", error=f"http {resp.status_code}")
+                body = (await resp.aread()).decode(errors="replace")
+                return _Outcome("error", error=f"http {resp.status_code}", detail=body[:300])
             async for line in resp.aiter_lines():
                 if not line.startswith("data:"):
                     continue
@@ -112,7 +114,7 @@ async def _one_stream(
                 if data == "[DONE]":
                     return _Outcome("completed", first_token_s=first[0] if first else None)
                 if '"error"' in data and not json.loads(data).get("choices"):
-                    return _Outcome("error", error="error event in stream")
+                    return _Outcome("error", error="error event in stream", detail=data[:300])
                 if not first:
                     first.append(time.monotonic() - start)
                 tokens += 1
@@ -129,7 +131,7 @@ async def _one_stream(
         cut = CUT_MID_DECODE if first else CUT_BEFORE_FIRST_TOKEN
         return _Outcome("aborted", cut, first[0] if first else None)
     except httpx.HTTPError as exc:
-        return _Outcome("error", error=type(exc).__name__)
+        return _Outcome("error", error=type(exc).__name__, detail=str(exc)[:300])
 
 
 async def _wait_idle(
@@ -262,6 +264,7 @@ def _account(
         else:
             result.errors += 1
             result.error_kinds[o.error] = result.error_kinds.get(o.error, 0) + 1
+            result.error_examples.setdefault(o.error, o.detail)
     result.drain_seconds_max = max(result.drain_seconds_max, round(drain_s, 3))
     if busy:
         result.pins += pins_in(busy)
