@@ -16,6 +16,8 @@ from obs_serve_helpers import BackgroundLoad, read_spans, running_serve, wait_fo
 from pdengine.server import bench_cli, probe
 
 pytestmark = pytest.mark.timeout(240)
+EXPECTED_NAMES = {"text_completion tiny", "prefill request", "decode request", "room prefill",
+                  "room decode"}
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +46,8 @@ def _tree_of_one_request(served) -> tuple[dict, list[dict]]:
             return None
         tid = roots[-1]["trace_id"]
         mine = [s for s in spans if s["trace_id"] == tid]
-        rooms = [s for s in mine if s["name"].startswith("room ")]
-        return (roots[-1], mine) if len(rooms) >= 2 else None
+        # each process writes its spans as they end: wait for the last of them
+        return (roots[-1], mine) if {s["name"] for s in mine} >= EXPECTED_NAMES else None
 
     return wait_for(complete, 15.0, f"the request's spans in the trace file\n{served.log_tail()}")
 
