@@ -52,7 +52,9 @@ class PDEngine(EngineBase):
         seed: int | None = None,
     ) -> None:
         if transport not in TRANSPORTS:
-            raise InvalidRequestError("transport", f"must be one of {TRANSPORTS}, not {transport!r}")
+            raise InvalidRequestError(
+                "transport", f"must be one of {TRANSPORTS}, not {transport!r}"
+            )
         self.model_name = str(model)
         self._model_ref = model
         self._transport = transport

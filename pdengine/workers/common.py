@@ -94,8 +94,9 @@ class WorkerCore:
         self.room_tracer = RoomTracer(self.role, page_nbytes=self.pool.layout.page_nbytes)
         self.actor = RoomActor(deadlines=options.deadlines, hook=self._on_transition)
         self.transport: KVTransport = make_transport(
-            options.transport, self.name, self.role, checksums=options.checksums,  # type: ignore[arg-type]
-            write_deadline_s=options.write_deadline_s, faults=options.faults,
+            options.transport, self.name, self.role,  # type: ignore[arg-type]
+            checksums=options.checksums, write_deadline_s=options.write_deadline_s,
+            faults=options.faults,
         )
         self.transport.register(self.pool.tensor)
         token = options.cluster_token or os.environ.get(CLUSTER_TOKEN_ENV, "")
@@ -203,7 +204,9 @@ class WorkerCore:
         try:
             name = self.transport.add_peer(agent_metadata)
         except Exception as exc:  # NIXL / loopback refuse metadata they cannot load
-            raise InvalidRequestError("agent_metadata", f"cannot load the peer agent: {exc}") from exc
+            raise InvalidRequestError(
+                "agent_metadata", f"cannot load the peer agent: {exc}"
+            ) from exc
         self._peer_urls[name] = url
         if url:
             self.monitor.watch(name)

@@ -132,7 +132,8 @@ async def test_waiting_for_input_deadline_fails_decode_and_frees_its_pages() -> 
     deadlines = Deadlines(bootstrap_s=5, waiting_for_input_s=0.3, transfer_progress_s=5)
     kw = {"scheduler": CONFIG, "deadlines": deadlines}
     prefill = PrefillWorker.create("tiny", "loopback", **kw)
-    decode = DecodeWorker.create("tiny", "loopback", loaded=(prefill.model, prefill.tokenizer), **kw)
+    decode = DecodeWorker.create("tiny", "loopback", loaded=(prefill.model, prefill.tokenizer),
+                                 **kw)
     decode.connect_local("inproc://p", prefill)
     async with anyio.create_task_group() as tg:
         await tg.start(prefill.run)
