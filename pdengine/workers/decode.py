@@ -179,19 +179,20 @@ class DecodeWorker(WorkerCore):
     async def _bootstrap(self, job: _Job) -> None:
         rid, url = job.room_id, job.prefill_url
         with anyio.CancelScope() as job.scope:
-            job.pages = await self._allocate(job)
-            job.phase = "bootstrap"
             try:
-                peer = await self._ensure_registered(url)
-            except (PeerError, PDEngineError) as exc:
-                raise RequestFailedError(f"cannot register with prefill {url}: {exc}") from exc
-            pages = job.pages
-            await self.actor.post(CreateRoom(rid, "decode", peer=peer, pages=tuple(pages)))
-            job.room_created, job.pages = True, None
-            self.wake_transport()
-        if job.pages is not None:  # cancelled or failed before the actor took the pages
-            self.pool.allocator.free(job.pages)
-            job.pages = None
+                job.pages = pages = await self._allocate(job)
+                job.phase = "bootstrap"
+                try:
+                    peer = await self._ensure_registered(url)
+                except (PeerError, PDEngineError) as exc:
+                    raise RequestFailedError(f"cannot register with prefill {url}: {exc}") from exc
+                await self.actor.post(CreateRoom(rid, "decode", peer=peer, pages=tuple(pages)))
+                job.room_created, job.pages = True, None
+                self.wake_transport()
+            finally:
+                if job.pages is not None:  # aborted or failed before the actor took the pages
+                    self.pool.allocator.free(job.pages)
+                    job.pages = None
         if not job.room_created:
             return
         if job.aborted:

@@ -181,3 +181,19 @@ async def test_a_silent_prefill_fails_the_decode_room_by_heartbeat_not_by_deadli
             tg.cancel_scope.cancel()
     finally:
         server.__exit__(None, None, None)
+
+
+async def test_an_unreachable_prefill_fails_the_request_and_returns_the_pages() -> None:
+    decode = DecodeWorker.create("tiny", "loopback", scheduler=CONFIG, cluster_token=TOKEN)
+    with socket.socket() as closed:  # a port nobody listens on
+        closed.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    async with anyio.create_task_group() as tg:
+        await tg.start(decode.run)
+        with anyio.fail_after(10), pytest.raises(RequestFailedError, match="cannot register"):
+            async for _ in decode.stream(3, list(range(3, 40)), SamplingParams(), url):
+                pass
+        stats = decode.stats()
+        assert stats["kv_pages_used"] == 0 and stats["rooms_live"] == 0
+        assert stats["requests_in_flight"] == 0 and stats["failed"] == 1
+        tg.cancel_scope.cancel()
