@@ -38,6 +38,8 @@ from opentelemetry.sdk.trace.export import (
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from pdengine.types import PDEngineError
+
 log = logging.getLogger(__name__)
 
 TRACE_FILE_ENV = "PDENGINE_TRACE_FILE"
@@ -265,10 +267,16 @@ def start_worker_span(
 
 
 def end_span(span: Span, error: BaseException | str | None = None) -> None:
-    """End `span`, marking it failed with `error`'s message when given."""
+    """End `span`, marking it failed with `error`'s message when given.
+
+    pdengine's own typed errors (a failed room, a refused request) are expected outcomes: they
+    get `error.type` and the message; anything else is recorded with its stack trace.
+    """
     if error is not None:
         message = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
         span.set_status(Status(StatusCode.ERROR, message))
-        if isinstance(error, BaseException):
+        if isinstance(error, PDEngineError):
+            span.set_attribute("error.type", type(error).__name__)
+        elif isinstance(error, BaseException):
             span.record_exception(error)
     span.end()

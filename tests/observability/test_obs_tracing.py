@@ -278,3 +278,20 @@ def test_worker_request_trace_closes_span_and_unfinished_room_once(otel) -> None
     assert room.attributes["pdengine.room.closed_by"] == "request"
     assert room.attributes["pdengine.room.tokens"] == 9
     assert rooms.live_rooms == 0
+
+
+def test_typed_errors_are_outcomes_other_errors_keep_their_stack(otel) -> None:
+    from pdengine.types import RequestFailedError
+
+    typed = otel.tracer.start_span("typed")
+    tracing.end_span(typed, RequestFailedError("room 7 failed on prefill: timeout"))
+    crash = otel.tracer.start_span("crash")
+    try:
+        raise KeyError("bug")
+    except KeyError as exc:
+        tracing.end_span(crash, exc)
+    spans = _by_name(otel.exporter)
+    assert spans["typed"].attributes["error.type"] == "RequestFailedError"
+    assert "timeout" in spans["typed"].status.description and not spans["typed"].events
+    (event,) = spans["crash"].events
+    assert event.name == "exception" and "KeyError" in event.attributes["exception.stacktrace"]
