@@ -191,6 +191,9 @@ class Transport(Protocol):
     name: str
     role: Role
 
+    def register(self, pool: Any) -> None:
+        """Register the KV pool tensor (``KVLayout.shape``) once, before ``agent_metadata``."""
+
     def agent_metadata(self) -> bytes: ...
 
     def add_peer(self, metadata: bytes) -> str: ...
@@ -229,6 +232,12 @@ class Transport(Protocol):
         """Like ``abort`` but the peer sees ``TransferFailed(reason)``."""
 
     def notify(self, peer: str, message: WireMessage) -> None: ...
+
+    def progress(self) -> list[Event]:
+        """One loop tick: ``poll()`` then ``drain_notifications()``."""
+
+    def forget_room(self, room_id: int) -> None:
+        """The worker dropped the room; its fence goes once nothing is in flight."""
 
     def close(self) -> None: ...
 

@@ -81,6 +81,8 @@ def test_multi_chunk_and_interleaved_rooms_arrive_byte_for_byte(prefill_peer):
         for src, dst in chunks:
             sent = call(conn, "pages", src)
             assert torch.equal(sent.view(torch.uint8), pool[dst].view(torch.uint8))
+    # Runs contiguous on both sides are one descriptor: 1 + 2 + 1 for room 1, 1 per chunk after.
+    assert call(conn, "descriptors") == 4 + 8
     sender = collect(lambda: call(conn, "events"), lambda ev: len(ev) >= expected)
     assert sorted((e["room_id"], e["chunk"]) for e in sender if e["type"] == "ChunkDone") == sorted(
         (room, c) for room, chunks in plan.items() for c in range(len(chunks)))

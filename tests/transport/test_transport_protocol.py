@@ -10,7 +10,14 @@ import torch
 
 from pdengine.config import KVLayout
 from pdengine.fsm.events import Abort, AbortAcked, ChunkDone, PeerFailed, TransferFailed
-from pdengine.transport import AuxRecord, FaultConfig, FaultyBackend, KVTransport
+from pdengine.transport import (
+    AuxRecord,
+    FaultConfig,
+    FaultyBackend,
+    KVTransport,
+    Transport,
+    TransportBackend,
+)
 from pdengine.transport.loopback import LoopbackBackend, LoopbackHub
 
 LAYOUT = KVLayout(num_pages=32, num_layers=2, page_size=4, num_kv_heads=2, head_dim=8,
@@ -198,3 +205,27 @@ def test_bad_page_lists_raise_value_errors():
 def test_fault_config_rejects_bad_probabilities():
     with pytest.raises(ValueError, match="drop must be a probability"):
         FaultConfig(drop=1.5)
+
+
+def test_implementations_satisfy_the_protocols():
+    prefill, decode, _, _ = make_pair("faulty")
+    assert isinstance(prefill, Transport) and isinstance(decode, Transport)
+    assert isinstance(prefill.backend, TransportBackend)
+    assert isinstance(prefill.backend.inner, TransportBackend)
+
+
+def test_forget_room_lifts_the_fence_only_after_the_drain():
+    clock = FakeClock()
+    prefill, decode, _, _ = make_pair("faulty", sender_faults=FaultConfig(stall_write=1.0),
+                                      clock=clock)
+    prefill.write_pages("dec", 8, 0, False, [0], [0])
+    prefill.abort("dec", 8, "deadline")
+    prefill.forget_room(8)  # still in flight: the fence stays
+    assert prefill.write_pages("dec", 8, 1, True, [1], [1]) is None
+    clock.now = 6.0
+    prefill.poll()
+    assert decode.drain_notifications() == [Abort(8, reason="deadline", from_peer=True),
+                                            AbortAcked(8)]
+    prefill.forget_room(8)
+    prefill.backend.config = FaultConfig()
+    assert prefill.write_pages("dec", 8, 1, True, [1], [1]) is not None

@@ -58,6 +58,8 @@ def _run(command: str, args: list[Any], transport: KVTransport, faulty: FaultyBa
         return transport.add_peer(args[0])
     if command == "pages":
         return pool[list(args[0])].clone()
+    if command == "descriptors":
+        return faulty.inner.descriptors_posted  # type: ignore[attr-defined]
     if command == "events":
         out = list(events)
         events.clear()
