@@ -97,6 +97,11 @@ def test_probe_says_idle_when_nothing_runs(served, capsys) -> None:
     out = json.loads(capsys.readouterr().out)
     assert (rc, out["verdict"]) == (0, "idle"), out
     assert len(out["samples"]) == 3
+    # a worker's own URL works too (no router in front)
+    workers = httpx.get(f"{served.url}/debug/workers", timeout=5.0).json()["workers"]
+    decode_url = next(w["url"] for w in workers if w["role"] == "decode")
+    rc = probe.main(["pins", "--url", decode_url, "--samples", "2", "--interval", "0.1"])
+    assert rc == 0 and "verdict: idle" in capsys.readouterr().out
 
 
 def test_probe_says_healthy_under_live_load(served, capsys) -> None:

@@ -295,3 +295,17 @@ def test_typed_errors_are_outcomes_other_errors_keep_their_stack(otel) -> None:
     assert "timeout" in spans["typed"].status.description and not spans["typed"].events
     (event,) = spans["crash"].events
     assert event.name == "exception" and "KeyError" in event.attributes["exception.stacktrace"]
+
+
+def test_otlp_without_its_package_is_skipped_with_a_warning(monkeypatch, caplog) -> None:
+    monkeypatch.delenv(tracing.TRACE_FILE_ENV, raising=False)
+    monkeypatch.setenv(tracing.OTLP_ENDPOINT_ENV, "http://127.0.0.1:4317")
+    try:
+        import opentelemetry.exporter.otlp  # noqa: F401
+    except ImportError:
+        assert tracing.build_provider("pdengine-router") is None
+        assert "opentelemetry-exporter-otlp is not installed" in caplog.text
+    else:
+        provider = tracing.build_provider("pdengine-router")
+        assert provider is not None
+        provider.shutdown()
