@@ -143,6 +143,8 @@ class KVTransport:
             dst_runs=tuple(page_spans(dst_pages)),
             aux=aux,
         )
+        if not runs:  # a last chunk that completed no page: the tag alone travels
+            return self._send_pageless_chunk(peer, message, checksum)
         try:
             handle = self.backend.post_write(peer, runs, message.encode())
         except Exception as exc:
@@ -153,6 +155,15 @@ class KVTransport:
         )
         self._room_inflight[room_id] += 1
         self.stats["writes_posted"] += 1
+        return checksum
+
+    def _send_pageless_chunk(self, peer: str, message: WireMessage, checksum: int) -> int:
+        try:
+            self.backend.send_notification(peer, message.encode())
+        except Exception as exc:
+            self._write_failed(peer, message.room_id, message.chunk, f"{type(exc).__name__}: {exc}")
+            return checksum
+        self._events.append(ChunkDone(message.room_id, message.chunk, is_last=message.is_last))
         return checksum
 
     def inflight(self, room_id: int) -> int:

@@ -65,6 +65,7 @@ def test_multi_chunk_and_interleaved_rooms_arrive_byte_for_byte(prefill_peer):
                 ([8, 9], [60, 61])]}
     for room in range(2, 6):  # interleaved: one page per chunk, two chunks each
         plan[room] = [([10 + room], [room]), ([20 + room], [30 + room])]
+    plan[6] = [([], [])]  # a last chunk that completed no page: only its tag travels
     for chunk in range(3):
         for room, chunks in plan.items():
             if chunk < len(chunks):

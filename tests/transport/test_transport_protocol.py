@@ -229,3 +229,12 @@ def test_forget_room_lifts_the_fence_only_after_the_drain():
     prefill.forget_room(8)
     prefill.backend.config = FaultConfig()
     assert prefill.write_pages("dec", 8, 1, True, [1], [1]) is not None
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+def test_a_last_chunk_without_pages_still_delivers_its_tag_and_aux(kind):
+    prefill, decode, _, _ = make_pair(kind)
+    prefill.write_pages("dec", 3, 1, True, [], [], aux=AuxRecord(first_token=5, prompt_len=16))
+    assert prefill.poll() == [ChunkDone(3, 1, is_last=True)]
+    (event,) = decode.drain_notifications()
+    assert isinstance(event, ChunkDone) and event.is_last and event.aux["first_token"] == 5
