@@ -69,6 +69,7 @@ class PDEngine(EngineBase):
         self._decode_faults = decode_faults
         self._rng = random.Random(seed)
         self._tg: anyio.abc.TaskGroup | None = None
+        self._rooms: dict[str, int] = {}  # request id -> room id while its prefill half runs
         self.prefill: PrefillWorker | None = None
         self.decode: DecodeWorker | None = None
 
@@ -115,6 +116,7 @@ class PDEngine(EngineBase):
         stream = self.decode.stream(
             room_id, prompt_token_ids, params, _LOCAL_PREFILL, request_id=request_id
         )
+        self._rooms[request_id] = room_id
         self._tg.start_soon(self._prefill_half, room_id, prompt_token_ids, params, request_id)
         return RequestStream(request_id, prompt_token_ids, stream.detach(), self.abort)
 
@@ -125,9 +127,14 @@ class PDEngine(EngineBase):
             await self.prefill.prefill(room_id, ids, params)
         except PDEngineError as exc:  # the decode half reports it to the caller
             log.debug("prefill of %s (room %s) ended: %s", request_id, room_id, exc)
+        finally:
+            self._rooms.pop(request_id, None)
 
     def abort(self, request_id: str) -> bool:
-        return self.decode is not None and self.decode.abort_request(request_id)
+        room_id = self._rooms.get(request_id)
+        if room_id is not None and self.prefill is not None:
+            self.prefill.abort(room_id, "aborted by the client")  # even before its prefill ran
+        return self.decode is not None and self.decode.abort_request(request_id, "aborted")
 
     def stats(self) -> dict[str, Any]:
         if self.prefill is None or self.decode is None:

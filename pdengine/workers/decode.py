@@ -165,7 +165,10 @@ class DecodeWorker(WorkerCore):
         except PDEngineError as exc:
             self._end(job, exc)
             return
-        if not job.room_created:  # aborted before the room existed
+        if not job.room_created:  # aborted before the room existed: tell prefill if we can
+            peer = self._registered.get(job.prefill_url)
+            if peer is not None and self.is_registered(peer):
+                self.transport.abort(peer, job.room_id, job.aborted)
             self._end(job, None)
             return
         result = await self.actor.wait_terminal(job.room_id)

@@ -177,10 +177,12 @@ class PrefillWorker(WorkerCore):
         return out
 
     def abort(self, room_id: int, reason: str = "aborted") -> None:
-        self._before.take(room_id)
-        state = self.room_state(room_id)
-        if state is not None and not state.terminal:
-            self.actor.post_nowait(Abort(room_id, reason=reason))
+        """Abort a room; one whose prefill call has not arrived yet fails when it does."""
+        if room_id in self._jobs:
+            if self.actor.result(room_id) is None:  # live, or its CreateRoom is still queued
+                self.actor.post_nowait(Abort(room_id, reason=reason))
+        elif self.actor.result(room_id) is None:
+            self._before.add_abort(room_id, reason)
 
     # ---- effects (run by the actor; must not block) -------------------------------------
 

@@ -195,3 +195,78 @@ async def test_decode_arriving_after_the_prefill_room_timed_out_fails_at_once() 
                 await anyio.sleep(0.01)
         assert decode.actor.result(21).state is RoomState.FAILED
         tg.cancel_scope.cancel()
+
+
+async def test_an_abort_storm_in_every_phase_leaves_nothing_behind() -> None:
+    """Requests cut at random points (pages, bootstrap, transfer, decode) all end; I4 holds."""
+    config = SchedulerConfig(chunk_tokens=32, num_pages=96, page_size=16)  # some wait for pages
+    rng = random.Random(11)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    async with Engine("tiny", mode="pd", scheduler_config=config) as pd:
+        ends: list[str] = []
+
+        async def cut(i: int) -> None:
+            prompt = [rng.randrange(3, 250) for _ in range(rng.randrange(20, 400))]
+            stream = pd.stream(prompt_token_ids=prompt, params=params, request_id=f"r{i}")
+            delay = rng.choice([0.0, 0.001, 0.01, 0.05, 0.2])
+            with anyio.move_on_after(delay):
+                async for _ in stream:
+                    pass
+            await stream.aclose()  # aborts unless the request already finished
+            ends.append(f"r{i}")
+
+        async with anyio.create_task_group() as tg:
+            for i in range(24):
+                tg.start_soon(cut, i)
+        with anyio.fail_after(5):
+            while pd.stats()["pages_used"] or pd.stats()["decode"]["rooms_live"]:
+                await anyio.sleep(0.01)
+        assert len(ends) == 24
+        _assert_idle(pd.stats())
+        for side in (pd.prefill, pd.decode):
+            counters = side.actor.counters
+            assert counters.created == counters.removed  # every room ended and left the table
+        out = await pd.generate(prompt_token_ids=[5] * 50, params=GREEDY)  # still serving
+        assert len(out.token_ids) == GREEDY.max_tokens
+
+
+async def test_a_decode_abort_before_its_room_exists_still_reaches_prefill() -> None:
+    """Decode is waiting for pages (no room yet) when its client leaves: the prefill room,
+    already waiting for bootstrap, fails at once through the ABORT notification (I6)."""
+    deadlines = Deadlines(bootstrap_s=30, waiting_for_input_s=30, transfer_progress_s=30)
+    kw = {"scheduler": CONFIG, "deadlines": deadlines}
+    prefill = PrefillWorker.create("tiny", "loopback", **kw)
+    decode = DecodeWorker.create("tiny", "loopback", loaded=(prefill.model, prefill.tokenizer),
+                                 **kw)
+    decode.connect_local("inproc://p", prefill)
+    prompt = _prompts(1)[0]
+    async with anyio.create_task_group() as tg:
+        await tg.start(prefill.run)
+        await tg.start(decode.run)
+        tg.start_soon(prefill.prefill, 40, prompt, GREEDY)  # registers the peers
+        async for _ in decode.stream(40, prompt, GREEDY, "inproc://p"):
+            pass
+        hog = decode.pool.allocator.alloc(decode.pool.allocator.num_free)  # pool exhausted
+        stream = decode.stream(41, prompt, GREEDY, "inproc://p")
+        failed: list[BaseException] = []
+
+        async def prefill_41() -> None:
+            try:
+                await prefill.prefill(41, prompt, GREEDY)
+            except RequestFailedError as exc:
+                failed.append(exc)
+
+        tg.start_soon(prefill_41)
+        with anyio.fail_after(5):
+            while prefill.room_state(41) is not RoomState.BOOTSTRAPPING:
+                await anyio.sleep(0.005)
+        assert decode.stats()["num_decode_prealloc_queue_reqs"] == 1
+        await stream.aclose()
+        with anyio.fail_after(3):
+            while not failed:
+                await anyio.sleep(0.01)
+        assert "abort" in str(failed[0])
+        decode.pool.allocator.free(hog)
+        assert prefill.stats()["kv_pages_used"] == 0 and prefill.stats()["rooms_live"] == 0
+        assert decode.stats()["kv_pages_used"] == 0 and decode.stats()["requests_in_flight"] == 0
+        tg.cancel_scope.cancel()
