@@ -160,6 +160,11 @@ def setup_tracing(
         return provider
 
 
+def is_enabled() -> bool:
+    """Whether `setup_tracing` installed a provider in this process (spans are recorded)."""
+    return _installed is not None
+
+
 def get_tracer(provider: trace.TracerProvider | None = None) -> trace.Tracer:
     return trace.get_tracer(TRACER_NAME, tracer_provider=provider)
 

@@ -22,10 +22,11 @@ from typing import Any
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
+from opentelemetry.sdk.trace import Tracer as SDKTracer
 from opentelemetry.trace import Span, Status, StatusCode
 
 from pdengine.telemetry.metrics import state_name
-from pdengine.telemetry.tracing import end_span, get_tracer, start_worker_span
+from pdengine.telemetry.tracing import end_span, get_tracer, is_enabled, start_worker_span
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,7 @@ class RoomTracer:
         self.role = role
         self.page_nbytes = page_nbytes  # KV bytes per page: a room's bytes = pages x this
         self._tracer = tracer
+        self._given_sdk_tracer = isinstance(tracer, SDKTracer)
         self._live: dict[int, Span] = {}
         self._ended: OrderedDict[int, Span] = OrderedDict()
         self._remember_ended = remember_ended
@@ -83,6 +85,11 @@ class RoomTracer:
     @property
     def tracer(self) -> trace.Tracer:
         return self._tracer or get_tracer()
+
+    @property
+    def recording(self) -> bool:
+        """Whether spans are recorded: an SDK tracer was given, or `setup_tracing` installed one."""
+        return self._given_sdk_tracer or is_enabled()
 
     @property
     def live_rooms(self) -> int:
@@ -116,6 +123,8 @@ class RoomTracer:
 
     def on_transition(self, room: Any, trigger: str, src: Any, dst: Any, absorbed: bool) -> None:
         """The FSM hook: one span event per transition; the span ends at a terminal state."""
+        if not self._live and not self._ended and not self.recording:
+            return  # tracing off (the default): cost one check per transition
         try:
             self._on_transition(room, trigger, src, dst, absorbed)
         except Exception:  # tracing must never break the room actor's loop
