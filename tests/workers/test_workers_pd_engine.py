@@ -102,7 +102,7 @@ async def test_abort_mid_transfer_quarantines_decode_pages_until_ack() -> None:
         assert pd.prefill.actor.result(room_id).state is RoomState.FAILED
         assert pd.decode.actor.counters.pages_quarantined > 0
         assert released == ["abort acked"]  # freed by the prefill's ack, not the drain deadline
-        assert pd.prefill.transport.stats["abort_acks_sent"] == 1
+        assert pd.prefill.transport.stats["abort_acks_sent"] >= 1
         # the engine keeps serving after an abort
         out = await pd.generate(prompt_token_ids=prompt[:50], params=GREEDY)
         assert len(out.token_ids) == GREEDY.max_tokens
