@@ -25,6 +25,10 @@ class ForwardBatch:
     slot_mapping: torch.Tensor  # [T] int64
     is_decode: bool  # every sequence has exactly one new token
     logits_indices: torch.Tensor  # [B] int64 index into T of each sequence's last token
+    # Host-side maxima the planner already knows; kernels size their grids from them
+    # instead of reading device tensors back (None: the kernel derives them).
+    max_seq_len: int | None = None
+    max_q_len: int | None = None
 
     @property
     def batch_size(self) -> int:

@@ -104,10 +104,12 @@ class DecoderLayer:
         scale = cfg.head_dim**-0.5
         if batch.is_decode:
             out = kernels.paged_decode_attention(
-                q, k_cache, v_cache, batch.page_table, batch.seq_lens, scale)
+                q, k_cache, v_cache, batch.page_table, batch.seq_lens, scale,
+                max_seq_len=batch.max_seq_len)
         else:
             out = kernels.paged_prefill_attention(
-                q, k_cache, v_cache, batch.page_table, batch.cu_q_lens, batch.seq_lens, scale)
+                q, k_cache, v_cache, batch.page_table, batch.cu_q_lens, batch.seq_lens, scale,
+                max_q_len=batch.max_q_len)
         return F.linear(out.reshape(tokens, cfg.q_size), self.o_weight, self.o_bias)
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
