@@ -48,6 +48,8 @@ log = logging.getLogger(__name__)
 
 POLICIES = ("round_robin", "least_loaded")
 HEALTH_INTERVAL_S = 2.0
+HEALTH_TIMEOUT_S = 5.0
+MAX_MISSED_POLLS = 3  # a busy worker may answer slowly; one that refuses connections is down
 PREFILL_GRACE_S = 5.0
 UPSTREAM_TIMEOUT = httpx.Timeout(connect=10.0, read=None, write=30.0, pool=None)
 
@@ -57,6 +59,7 @@ class WorkerRef:
     role: str  # prefill | decode
     url: str
     healthy: bool = True
+    missed_polls: int = 0
     pid: int | None = None
     max_model_len: int | None = None
     in_flight: int = 0
@@ -82,6 +85,7 @@ class _Attempt:
     prefill: WorkerRef
     decode: WorkerRef
     room: int
+    worker_rid: str  # the request id the workers see: a retry must not collide with the first
     sent_any: bool = False
     prefill_result: dict[str, Any] | None = None
 
@@ -137,12 +141,17 @@ class RouterBackend:
         async def check(w: WorkerRef) -> None:
             assert self._client is not None
             try:
-                r = await self._client.get(w.url + "/health", timeout=2.0)
+                r = await self._client.get(w.url + "/health", timeout=HEALTH_TIMEOUT_S)
                 body = r.json() if r.status_code == 200 else {}
                 w.healthy = r.status_code == 200
+                w.missed_polls = 0 if w.healthy else MAX_MISSED_POLLS
                 w.pid = body.get("pid", w.pid)
                 w.max_model_len = body.get("max_model_len", w.max_model_len)
+            except httpx.TimeoutException:
+                w.missed_polls += 1
+                w.healthy = w.missed_polls < MAX_MISSED_POLLS
             except (httpx.HTTPError, ValueError):
+                w.missed_polls = MAX_MISSED_POLLS
                 w.healthy = False
 
         async with anyio.create_task_group() as tg:
@@ -213,7 +222,8 @@ class RouterBackend:
                     for attempt in range(2):
                         p, d = self.pick_pair(tried)
                         tried.add((p.url, d.url))
-                        state = _Attempt(p, d, secrets.randbits(63))
+                        rid = request_id if attempt == 0 else f"{request_id}.retry{attempt}"
+                        state = _Attempt(p, d, secrets.randbits(63), rid)
                         try:
                             await self._attempt(state, send, ids, params, request_id)
                             return
@@ -231,7 +241,7 @@ class RouterBackend:
                        ids: list[int], params: SamplingParams, request_id: str) -> None:
         sp = params_to_json(params)
         prefill_body = {"input_ids": ids, "sampling_params": sp, "bootstrap_room": a.room,
-                        "rid": request_id}
+                        "rid": a.worker_rid}
         decode_body = {**prefill_body, "bootstrap_host": a.prefill.url, "stream": True}
         a.prefill.in_flight += 1
         a.decode.in_flight += 1
@@ -262,7 +272,8 @@ class RouterBackend:
             r = await self._client.post(a.prefill.url + "/generate", json=body,
                                         headers=inject_headers({}))
         except httpx.HTTPError as exc:
-            a.prefill.healthy = False
+            if isinstance(exc, httpx.ConnectError):
+                a.prefill.healthy = False
             raise UpstreamError(f"prefill worker {a.prefill.url} unreachable: {exc}") from None
         if r.status_code != 200:
             raise _upstream_error("prefill", a.prefill.url, r.status_code, _json_or_text(r))
@@ -299,7 +310,8 @@ class RouterBackend:
                     if finish:
                         return
         except httpx.HTTPError as exc:
-            a.decode.healthy = False
+            if isinstance(exc, httpx.ConnectError):
+                a.decode.healthy = False
             raise UpstreamError(f"decode worker {a.decode.url} failed: {exc}") from None
         raise UpstreamError(f"decode worker {a.decode.url} ended the stream without finishing")
 

@@ -44,10 +44,19 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 PREFIX = "pdengine_"
+
+# `*_created` timestamp series double every counter and histogram for no operational use.
+disable_created_metrics()
 
 # Plain gauges, one value per role.
 GAUGES: dict[str, str] = {
