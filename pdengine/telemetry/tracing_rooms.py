@@ -10,12 +10,16 @@ Lifecycle on a worker, per request:
    room's attributes (pages, bytes, chunks, peer, checksum, failure reason) are copied on and
    the span ends. An event absorbed after that becomes a short child span marked late (I1).
 3. The handler (or, for a stream, the end of the stream) calls `WorkerRequestTrace.close`,
-   which ends the request span and any room span the FSM never terminated.
+   which ends the request span. A room span still open then is left to the FSM for
+   `request_grace_s` (a disconnect's abort arrives milliseconds later); a room that never
+   reaches the FSM (the request was refused first) is closed when the grace runs out.
+   Transitions of a room whose span already ended become short child spans, never a new root.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -73,6 +77,8 @@ class RoomTracer:
         *,
         page_nbytes: int = 0,
         remember_ended: int = 4096,
+        request_grace_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.role = role
         self.page_nbytes = page_nbytes  # KV bytes per page: a room's bytes = pages x this
@@ -81,6 +87,9 @@ class RoomTracer:
         self._live: dict[int, Span] = {}
         self._ended: OrderedDict[int, Span] = OrderedDict()
         self._remember_ended = remember_ended
+        self._grace_s = request_grace_s
+        self._clock = clock
+        self._closing: OrderedDict[int, float] = OrderedDict()  # room -> when to give up on it
 
     @property
     def tracer(self) -> trace.Tracer:
@@ -140,8 +149,8 @@ class RoomTracer:
         if absorbed and not event["late"]:
             event["absorbed"] = True
         span = self._live.get(room_id)
-        if span is None and event["late"] and room_id in self._ended:
-            self._trace_late(room_id, event)
+        if span is None and room_id in self._ended:
+            self._trace_after_end(room_id, event)
             return
         if span is None:
             span = self.bind(room_id)
@@ -154,18 +163,32 @@ class RoomTracer:
                 attrs["bytes"] = attrs["pages"] * self.page_nbytes
             self.set(room_id, **attrs)
             self._end(room_id, dst_name, trigger)
+        self.sweep()
 
     def finish(self, room_id: int, error: BaseException | str | None = None) -> None:
-        """Close the room's span if the FSM never terminated it (the request ended first)."""
+        """The room's request ended: leave a still-open room span to the FSM for the grace."""
         span = self._live.get(room_id)
-        if span is None:
-            return
-        if error is not None:
-            self.set(room_id, failure_reason=str(error))
-        span.set_attribute("pdengine.room.closed_by", "request")
-        self._end(room_id, None, None)
+        if span is not None:
+            if error is not None:
+                self.set(room_id, failure_reason=str(error))
+            span.set_attribute("pdengine.room.request_ended", True)
+            self._closing[room_id] = self._clock() + self._grace_s
+        self.sweep()
+
+    def sweep(self, now: float | None = None) -> None:
+        """End the spans of rooms the FSM never terminated within the grace after their request."""
+        now = self._clock() if now is None else now
+        while self._closing:
+            room_id, due = next(iter(self._closing.items()))
+            if due > now:
+                return
+            del self._closing[room_id]
+            if room_id in self._live:
+                self._live[room_id].set_attribute("pdengine.room.closed_by", "request")
+                self._end(room_id, None, None)
 
     def _end(self, room_id: int, state: str | None, trigger: str | None) -> None:
+        self._closing.pop(room_id, None)
         span = self._live.pop(room_id)
         if state is not None:
             span.set_attribute("pdengine.room.final_state", state)
@@ -177,12 +200,14 @@ class RoomTracer:
         while len(self._ended) > self._remember_ended:
             self._ended.popitem(last=False)
 
-    def _trace_late(self, room_id: int, event: dict[str, Any]) -> None:
+    def _trace_after_end(self, room_id: int, event: dict[str, Any]) -> None:
+        """A transition after the room's span ended: a short child span of it."""
         parent = trace.set_span_in_context(self._ended[room_id])
+        what = "late event" if event["late"] else "after request"
         span = self.tracer.start_span(
-            f"room {self.role} late event",
+            f"room {self.role} {what}",
             context=parent,
-            attributes={"pdengine.room.id": str(room_id), "pdengine.room.late": True},
+            attributes={"pdengine.room.id": str(room_id), "pdengine.room.late": event["late"]},
         )
         span.add_event("transition", event)
         span.end()

@@ -138,15 +138,52 @@ def test_checksum_failure_and_late_event_on_a_real_room(otel) -> None:
     assert event.attributes["late"] is True and event.attributes["trigger"] == "abort"
 
 
-def test_finish_closes_a_room_the_fsm_never_terminated(otel) -> None:
-    rooms = RoomTracer("decode", tracer=otel.tracer)
+def test_a_room_that_never_reaches_the_fsm_closes_after_the_grace(otel) -> None:
+    now = [100.0]
+    rooms = RoomTracer("decode", tracer=otel.tracer, request_grace_s=10.0, clock=lambda: now[0])
     rooms.bind(9)
     rooms.finish(9, error=ValueError("prompt too long"))
-    rooms.finish(9)  # idempotent
+    rooms.finish(9)  # a second close changes nothing
+    assert otel.exporter.get_finished_spans() == ()  # an abort may still be on its way
+    now[0] += 10.5
+    rooms.sweep()
     (span,) = otel.exporter.get_finished_spans()
     assert span.attributes["pdengine.room.closed_by"] == "request"
     assert "prompt too long" in span.attributes["pdengine.room.failure_reason"]
     assert rooms.live_rooms == 0
+
+
+def test_a_disconnect_then_the_abort_stays_one_room_span(otel) -> None:
+    now = [0.0]
+    rooms = RoomTracer("decode", tracer=otel.tracer, clock=lambda: now[0])
+    actor = RoomActor(clock=lambda: now[0], hook=rooms.on_transition)
+    rooms.bind(4)
+    actor.apply(CreateRoom(4, "decode", peer="p0", pages=(1, 2)))
+    actor.apply(Bootstrapped(4, peer="p0"))
+    rooms.finish(4)  # the client went away: the stream closed before the abort was applied
+    now[0] += 0.002
+    actor.apply(Abort(4, reason="client disconnected"))
+    (span,) = otel.exporter.get_finished_spans()
+    assert [e.attributes["trigger"] for e in span.events] == ["bootstrap", "abort"]
+    assert span.attributes["pdengine.room.final_state"] == "FAILED"
+    assert span.attributes["pdengine.room.request_ended"] is True
+    assert "pdengine.room.closed_by" not in span.attributes
+
+
+def test_transitions_after_a_closed_span_are_children_not_new_roots(otel) -> None:
+    now = [0.0]
+    rooms = RoomTracer("prefill", tracer=otel.tracer, request_grace_s=1.0, clock=lambda: now[0])
+    actor = RoomActor(clock=lambda: now[0], hook=rooms.on_transition)
+    rooms.bind(6)
+    rooms.finish(6, "router disconnected")
+    now[0] += 2.0
+    rooms.sweep()
+    actor.apply(CreateRoom(6, "prefill", peer="d0", pages=(3,), num_chunks=1))  # very late
+    actor.apply(Abort(6))
+    spans = otel.exporter.get_finished_spans()
+    assert [s.name for s in spans] == ["room prefill", "room prefill after request"]
+    assert spans[1].parent.span_id == spans[0].context.span_id
+    assert spans[1].events[0].attributes["trigger"] == "abort"
 
 
 def test_hook_errors_never_escape(otel, caplog) -> None:
@@ -265,11 +302,14 @@ def test_room_bytes_follow_its_pages(otel) -> None:
 
 def test_worker_request_trace_closes_span_and_unfinished_room_once(otel) -> None:
     root = tracing.start_request_span("generate", "tiny", tracer=otel.tracer)
-    rooms = RoomTracer("decode", tracer=otel.tracer)
+    now = [0.0]
+    rooms = RoomTracer("decode", tracer=otel.tracer, clock=lambda: now[0])
     headers = tracing.inject_headers({}, root)
     with pytest.raises(ValueError), WorkerRequestTrace("decode", headers, 21, rooms, tokens=9):
         raise ValueError("prompt too long")
     tracing.end_span(root)
+    now[0] += 60.0
+    rooms.sweep()
     spans = _by_name(otel.exporter)
     request, room = spans["decode request"], spans["room decode"]
     assert request.parent.span_id == root.get_span_context().span_id
