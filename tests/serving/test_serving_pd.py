@@ -250,3 +250,15 @@ def test_router_retries_once_then_reports_a_clear_error(pd: Serve) -> None:
     # The decode side quarantines a failed room's pages until its prefill peer acknowledges
     # the abort or the drain deadline passes (I5); the broken peer never answers.
     assert wait_idle(pd, within_s=Deadlines().drain_s + 5) == {}
+
+
+def test_children_die_with_a_killed_parent() -> None:
+    """SIGKILL leaves `pdengine serve` no chance to clean up: the children must notice."""
+    serve = Serve("--transport", "nixl")
+    pids = serve.pids()
+    serve.proc.kill()
+    serve.proc.wait()
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(p) for p in pids)
