@@ -55,6 +55,13 @@ async def test_pd_greedy_equals_colocated_for_concurrent_chunked_prompts() -> No
     async with Engine("tiny", mode="pd", scheduler_config=CONFIG) as pd:
         got = await _gather(pd, prompts, GREEDY)
         stats = pd.stats()
+        sample = {"role": "decode"}
+        decode_metrics = pd.decode.metrics.registry.get_sample_value
+        assert decode_metrics("pdengine_time_to_first_token_seconds_count", sample) == 6
+        assert decode_metrics("pdengine_inter_token_latency_seconds_count", sample) == 6 * 11
+        assert decode_metrics("pdengine_e2e_request_latency_seconds_count", sample) == 6
+        assert pd.prefill.metrics.registry.get_sample_value(
+            "pdengine_kv_transfer_latency_ms_count", {"role": "prefill"}) == 6
     for want, have in zip(expected, got, strict=True):
         assert have.token_ids == want.token_ids
         assert have.text == want.text
