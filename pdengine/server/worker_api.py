@@ -58,9 +58,9 @@ class _WorkerView:
 
     async def stream(self, prompt_token_ids: list[int], params: SamplingParams,
                      request_id: str) -> AsyncIterator[StreamDelta]:
-        self.rooms_by_rid[request_id] = self.room
         inner = self.worker.stream(self.room, prompt_token_ids, params, self.prefill_url,
-                                   request_id=request_id)
+                                   request_id=request_id)  # a refusal raises before any state
+        self.rooms_by_rid[request_id] = self.room
         try:
             async for delta in inner:
                 yield delta

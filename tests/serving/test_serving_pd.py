@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 from conftest import ThreadServer, scrape
+from openapi_spec_validator import validate
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -164,6 +165,24 @@ def test_router_debug_endpoints(pd: Serve) -> None:
     rooms = httpx.get(pd.url + "/debug/rooms").json()
     assert rooms["errors"] == [] and rooms["count"] == len(rooms["rooms"])
 
+
+
+def test_worker_endpoints_refuse_bad_requests_and_guard_internal_routes(pd: Serve) -> None:
+    prefill, decode = pd.workers["prefill"]["url"], pd.workers["decode"]["url"]
+    body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}}
+    r = httpx.post(prefill + "/generate", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "bootstrap_room"
+    r = httpx.post(decode + "/generate",
+                   json={**body, "bootstrap_room": 5, "bootstrap_host": "ftp://elsewhere"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "bootstrap_host"
+    assert httpx.get(prefill + "/internal/heartbeat").status_code == 401
+    wrong = httpx.get(decode + "/internal/heartbeat", headers={"Authorization": "Bearer x"})
+    assert wrong.status_code == 403
+    for url in (prefill, decode, pd.url):
+        doc = httpx.get(url + "/openapi.json").json()
+        validate(doc)
+        assert "/generate" in doc["paths"] and not any(p.startswith("/internal") for p in doc["paths"])
+    assert "/debug/workers" in httpx.get(pd.url + "/openapi.json").json()["paths"]
 
 def test_disconnect_mid_stream_returns_every_gauge_to_idle(pd: Serve) -> None:
     body = {"prompt": [i % 250 + 1 for i in range(600)], "max_tokens": 3000, "stream": True,
