@@ -26,6 +26,7 @@ A request's life on the decode side (room state lives in the room actor, I3):
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import logging
 import math
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
+import torch
 from anyio.streams.memory import MemoryObjectSendStream
 
 from pdengine.fsm import DeliverPages, ReleasePages, RoomState, TellPeer
@@ -284,11 +286,26 @@ class DecodeWorker(WorkerCore):
                     self._end(job, error)
                 continue
             job.phase = "decoding"
+            extra = aux.get("extra", {})
+            self._restore_rng(job.seq, extra.get("rng_state"))
             out = self.scheduler.add_prefilled(job.seq, list(effect.pages), aux["first_token"])
-            first_lps = aux.get("extra", {}).get("first_logprobs")
+            first_lps = extra.get("first_logprobs")
             if job.seq.logprobs is not None and first_lps:
                 job.seq.logprobs.append({int(t): float(lp) for t, lp in first_lps})
             self._dispatch(out)
+
+    def _restore_rng(self, seq: Sequence, state: str | None) -> None:
+        """Continue a seeded request's random stream where the prefill side's draw left it."""
+        if state is None or seq.params.seed is None:
+            return
+        generator = seq.rng(self.pool.device)
+        try:
+            generator.set_state(torch.frombuffer(bytearray(base64.b64decode(state)),
+                                                 dtype=torch.uint8))
+        except (RuntimeError, ValueError) as exc:  # another device's generator format
+            log.warning("room of %s: cannot restore the seeded RNG (%s); reseeding",
+                        seq.request_id, exc)
+            generator.manual_seed(seq.params.seed)
 
     def _apply_aborts(self) -> None:
         for job in list(self._jobs.values()):

@@ -28,6 +28,7 @@ A room's life on the prefill side (every state lives in the room actor, I3):
 
 from __future__ import annotations
 
+import base64
 import logging
 import time
 from dataclasses import dataclass, field
@@ -67,11 +68,16 @@ class _Job:
     terminal: bool = False
 
 
-def _first_logprobs(seq: Sequence) -> dict[str, Any]:
-    """The first token's top logprobs (when asked for) as JSON-safe pairs for the aux record."""
-    if not seq.logprobs:
-        return {}
-    return {"first_logprobs": [[int(t), float(lp)] for t, lp in seq.logprobs[-1].items()]}
+def _aux_extra(seq: Sequence) -> dict[str, Any]:
+    """What decode needs to continue exactly as one engine would, JSON-safe: the first
+    token's logprobs (when asked for) and the seeded generator's state after that draw."""
+    extra: dict[str, Any] = {}
+    if seq.logprobs:
+        extra["first_logprobs"] = [[int(t), float(lp)] for t, lp in seq.logprobs[-1].items()]
+    if seq.generator is not None:
+        state = seq.generator.get_state().numpy().tobytes()
+        extra["rng_state"] = base64.b64encode(state).decode()
+    return extra
 
 
 class _BeforeRoom:
@@ -269,7 +275,7 @@ class PrefillWorker(WorkerCore):
                 first_token=job.seq.token_ids[-1],
                 prompt_len=job.seq.num_prompt_tokens,
                 chunk_checksums=tuple(job.checksums),
-                extra=_first_logprobs(job.seq),
+                extra=_aux_extra(job.seq),
             )
         index = job.chunks_posted
         await self.actor.post(ChunkSent(job.room_id, index))

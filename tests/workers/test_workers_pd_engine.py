@@ -277,3 +277,24 @@ async def test_a_decode_abort_before_its_room_exists_still_reaches_prefill() -> 
         assert prefill.stats()["kv_pages_used"] == 0 and prefill.stats()["rooms_live"] == 0
         assert decode.stats()["kv_pages_used"] == 0 and decode.stats()["requests_in_flight"] == 0
         tg.cancel_scope.cancel()
+
+
+async def test_seeded_sampling_through_pd_equals_colocated() -> None:
+    """The prefill side's seeded draw travels with the aux record, so decode continues the
+    same random stream (and logprobs of the first token come along too)."""
+    prompts = _prompts(3, base=50)
+    params = [SamplingParams(max_tokens=10, temperature=0.9, top_k=50, seed=100 + i, logprobs=2,
+                             ignore_eos=True) for i in range(3)]
+
+    async def run(engine) -> list:
+        return [await engine.generate(prompt_token_ids=p, params=sp)
+                for p, sp in zip(prompts, params, strict=True)]
+
+    async with Engine("tiny", scheduler_config=CONFIG) as colocated:
+        expected = await run(colocated)
+    async with Engine("tiny", mode="pd", scheduler_config=CONFIG) as pd:
+        got = await run(pd)
+    for want, have in zip(expected, got, strict=True):
+        assert have.token_ids == want.token_ids
+        assert have.logprobs is not None and len(have.logprobs) == len(want.logprobs)
+        assert have.logprobs[0] == pytest.approx(want.logprobs[0])
