@@ -144,14 +144,16 @@ def paged_prefill_attention(
             raise ValueError(f"cu_q_lens: sequence {b} has {q_len} new tokens > seq_lens {ctx}")
         k = _sequence_kv(k_cache, page_table[b], ctx)
         v = _sequence_kv(v_cache, page_table[b], ctx)
-        qb = q[start:end].transpose(0, 1)  # [Hq, q_len, D]
+        # A leading batch dimension of 1 selects SDPA's faster CPU kernel (~25% here).
+        qb = q[start:end].transpose(0, 1)[None]  # [1, Hq, q_len, D]
+        k, v = k[None], v[None]
         if q_len == ctx:
             o = F.scaled_dot_product_attention(qb, k, v, is_causal=True, scale=sm_scale,
                                                enable_gqa=True)
         else:
             rows = torch.arange(q_len, device=q.device)[:, None] + (ctx - q_len)
             mask = torch.arange(ctx, device=q.device)[None, :] <= rows  # [q_len, L]
-            o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=sm_scale,
-                                               enable_gqa=True)
-        out[start:end] = o.transpose(0, 1)
+            o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask[None, None],
+                                               scale=sm_scale, enable_gqa=True)
+        out[start:end] = o[0].transpose(0, 1)
     return out

@@ -7,6 +7,7 @@ thread; nothing else may use the pool or the model meanwhile.
 
 from __future__ import annotations
 
+from itertools import pairwise
 from typing import Protocol
 
 import torch
@@ -71,6 +72,8 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             is_decode=step.is_decode,
             logits_indices=(cu_t[1:] - 1).to(torch.int64),
+            max_seq_len=max(seq_lens),
+            max_q_len=max(b - a for a, b in pairwise(cu)),
         )
 
     @torch.inference_mode()
