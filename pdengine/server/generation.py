@@ -124,8 +124,13 @@ class RequestRun:
         span: Any = None,
     ) -> RequestRun:
         limiter.acquire()
+        try:
+            stream = backend.stream(prompt_token_ids, params, request_id)  # may refuse (4xx)
+        except BaseException:
+            limiter.release()
+            raise
         run = cls(backend, metrics, limiter, request_id, prompt_token_ids, params, span=span)
-        run._stream = backend.stream(prompt_token_ids, params, request_id)
+        run._stream = stream
         return run
 
     @property

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -105,3 +106,21 @@ def test_refused_requests_leave_nothing_behind(client: httpx.Client,
     for name in ("pdengine_num_running_reqs", "pdengine_num_queue_reqs", "pdengine_kv_pages_used"):
         assert gauge(samples, name, "colocated") == 0, name
     assert client.get("/debug/rooms").json()["count"] == 0
+
+
+def test_duplicate_rid_is_refused_without_losing_a_slot(colocated: ThreadServer) -> None:
+    body = {"text": "dup", "rid": "same-rid", "stream": True,
+            "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}
+    with httpx.stream("POST", colocated.url + "/generate", json=body, timeout=60) as first:
+        lines = first.iter_lines()
+        while not next(lines).startswith("data: "):
+            pass
+        for _ in range(3):
+            again = httpx.post(colocated.url + "/generate", json={**body, "stream": False})
+            assert again.status_code == 400
+            assert again.json()["error"]["param"] == "request_id"
+    context = colocated.app.state.ctx
+    deadline = time.monotonic() + 2
+    while context.limiter.in_flight and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert context.limiter.in_flight == 0  # every refused request gave its slot back
