@@ -27,7 +27,7 @@ import anyio
 import anyio.abc
 
 from pdengine.config import Deadlines, SchedulerConfig
-from pdengine.fsm import RoomActor, RoomState
+from pdengine.fsm import RoomActor, RoomResult, RoomState
 from pdengine.fsm.events import Event, PeerFailed
 from pdengine.model import load_model
 from pdengine.runtime import StepOutput
@@ -35,7 +35,7 @@ from pdengine.runtime.core import EngineCore
 from pdengine.telemetry.metrics import Metrics
 from pdengine.telemetry.tracing_rooms import RoomTracer
 from pdengine.transport import FaultConfig, KVTransport, make_transport
-from pdengine.types import InvalidRequestError
+from pdengine.types import InvalidRequestError, RequestFailedError
 from pdengine.workers.liveness import LivenessConfig, PeerMonitor
 from pdengine.workers.peer_client import PeerClient, PeerError
 
@@ -107,6 +107,7 @@ class WorkerCore:
         self._tg: anyio.abc.TaskGroup | None = None
         self._wake = anyio.Event()
         self._transport_wake = anyio.Event()
+        self._stopped = anyio.Event()
         self._transition_listeners: list[Callable[[Any, RoomState, RoomState], None]] = []
 
     # ---- lifecycle ----------------------------------------------------------------------
@@ -124,6 +125,7 @@ class WorkerCore:
                 task_status.started()
         finally:
             self._tg = None
+            self._stopped.set()
             self._on_stop()
             self.transport.close()
             with anyio.CancelScope(shield=True):
@@ -135,11 +137,31 @@ class WorkerCore:
 
     def _require_running(self) -> anyio.abc.TaskGroup:
         if self._tg is None:
-            raise RuntimeError(f"{self.name} is not running (start it with `run()`)")
+            raise RequestFailedError(f"{self.name} is not running (start it with `run()`)")
         return self._tg
 
     def _on_stop(self) -> None:
         """Subclass hook: fail whatever is still open when the worker stops."""
+
+    async def wait_room(self, room_id: int) -> RoomResult:
+        """`actor.wait_terminal` for callers outside the worker: raises RequestFailedError
+        instead of hanging if the worker stops (or crashes) first."""
+        results: list[RoomResult] = []
+
+        async def wait(scope: anyio.CancelScope) -> None:
+            results.append(await self.actor.wait_terminal(room_id))
+            scope.cancel()
+
+        async def stop(scope: anyio.CancelScope) -> None:
+            await self._stopped.wait()
+            scope.cancel()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(wait, tg.cancel_scope)
+            tg.start_soon(stop, tg.cancel_scope)
+        if not results:
+            raise RequestFailedError(f"{self.name} stopped before room {room_id} ended")
+        return results[0]
 
     async def _compute_loop(self) -> None:
         raise NotImplementedError

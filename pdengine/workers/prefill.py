@@ -173,7 +173,7 @@ class PrefillWorker(WorkerCore):
         if early is not None:
             self.actor.post_nowait(Bootstrapped(room_id, peer=early[0], dst_pages=early[1]))
         try:
-            result = await self.actor.wait_terminal(room_id)
+            result = await self.wait_room(room_id)
         except BaseException:
             self.abort(room_id, "prefill request cancelled")
             raise

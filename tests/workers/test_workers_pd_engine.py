@@ -298,3 +298,24 @@ async def test_seeded_sampling_through_pd_equals_colocated() -> None:
         assert have.token_ids == want.token_ids
         assert have.logprobs is not None and len(have.logprobs) == len(want.logprobs)
         assert have.logprobs[0] == pytest.approx(want.logprobs[0])
+
+
+async def test_a_prefill_caller_gets_an_error_not_a_hang_when_the_worker_stops() -> None:
+    prefill = PrefillWorker.create("tiny", "loopback", scheduler=CONFIG)
+    errors: list[BaseException] = []
+
+    async def caller() -> None:
+        try:
+            await prefill.prefill(8, _prompts(1)[0], GREEDY)
+        except RequestFailedError as exc:
+            errors.append(exc)
+
+    async with anyio.create_task_group() as outer:
+        async with anyio.create_task_group() as worker:
+            await worker.start(prefill.run)
+            outer.start_soon(caller)
+            with anyio.fail_after(5):
+                while prefill.room_state(8) is not RoomState.BOOTSTRAPPING:
+                    await anyio.sleep(0.005)
+            worker.cancel_scope.cancel()  # the worker stops with the room still bootstrapping
+    assert len(errors) == 1 and "stopped" in str(errors[0])
