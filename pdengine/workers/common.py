@@ -41,7 +41,8 @@ from pdengine.workers.peer_client import PeerClient, PeerError
 
 log = logging.getLogger(__name__)
 
-_BUSY_POLL_S = 0.0005  # transport poll period while rooms are live
+_BUSY_POLL_S = 0.0005  # transport poll period while rooms are live and active
+_MAX_BUSY_POLL_S = 0.002  # ... backed off to this while they are live but quiet
 _IDLE_POLL_S = 0.05  # ... and while none is (notifications still arrive: aborts, acks)
 _GAUGE_PERIOD_S = 0.25
 CLUSTER_TOKEN_ENV = "PDENGINE_CLUSTER_TOKEN"  # fallback when WorkerOptions has no token
@@ -248,9 +249,13 @@ class WorkerCore:
     # ---- transport loop -------------------------------------------------------------------
 
     async def _transport_loop(self) -> None:
-        next_gauges = 0.0
+        next_gauges, period = 0.0, _BUSY_POLL_S
         while True:
-            for event in self.transport.progress():
+            events = self.transport.progress()
+            # live rooms but nothing happening (e.g. waiting for a long prefill queue): back
+            # off up to _MAX_BUSY_POLL_S; any event or a new room polls fast again
+            period = _BUSY_POLL_S if events else min(period * 2, _MAX_BUSY_POLL_S)
+            for event in events:
                 self._observe_event(event)
                 if isinstance(event, PeerFailed):
                     self.monitor.unwatch(event.peer)
@@ -260,12 +265,10 @@ class WorkerCore:
             if now >= next_gauges:
                 next_gauges = now + _GAUGE_PERIOD_S
                 self.metrics.set_gauges(self.stats())
-            if self.actor.live_rooms:
-                await anyio.sleep(_BUSY_POLL_S)
-            else:  # idle: still poll (aborts, acks arrive), but wake at once for a new room
-                with anyio.move_on_after(_IDLE_POLL_S):
-                    await self._transport_wake.wait()
-                self._transport_wake = anyio.Event()
+            with anyio.move_on_after(period if self.actor.live_rooms else _IDLE_POLL_S):
+                await self._transport_wake.wait()  # a new room or WRITE: poll now
+            if self._transport_wake.is_set():
+                self._transport_wake, period = anyio.Event(), _BUSY_POLL_S
 
     def _observe_event(self, event: Event) -> None:
         """Subclass hook: look at (never act on) a transport event before the actor gets it."""

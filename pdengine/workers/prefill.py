@@ -284,6 +284,7 @@ class PrefillWorker(WorkerCore):
         )
         if checksum is None:
             return  # fenced by an abort: the actor already has (or will get) it
+        self.wake_transport()
         if not job.first_post:
             job.first_post = time.monotonic()
         job.chunks_posted += 1
