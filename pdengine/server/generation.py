@@ -161,7 +161,7 @@ class RequestRun:
             self._exhausted = True
             return None
         except Exception as exc:
-            self.error = exc  # for the trace: the request failed with this
+            self.error = exc  # the trace reports it; a stream that raised needs no abort
             raise
 
     async def first(self, request: Request | None) -> StreamDelta | None:
@@ -197,7 +197,7 @@ class RequestRun:
             return
         self._closed = True
         try:
-            if self.finish_reason is None and not self._exhausted:
+            if self.finish_reason is None and not self._exhausted and self.error is None:
                 self.backend.abort(self.request_id)
                 if self.metrics is not None:
                     self.metrics.inc_aborted()

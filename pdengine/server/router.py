@@ -183,6 +183,8 @@ class RouterBackend:
                      request_id: str) -> AsyncIterator[StreamDelta]:
         if self._tg is None:
             raise OverloadedError("the router is not running")
+        if request_id in self._scopes:
+            raise InvalidRequestError("rid", f"{request_id!r} is already running")
         send, receive = anyio.create_memory_object_stream[StreamDelta | BaseException](math.inf)
         scope = anyio.CancelScope()
         self._scopes[request_id] = scope

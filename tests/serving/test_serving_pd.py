@@ -221,6 +221,8 @@ def test_abort_request_through_the_router(pd: Serve) -> None:
             if line.startswith("data: "):
                 events.append(line[6:])
                 if len(events) == 2:
+                    twin = httpx.post(pd.url + "/generate", json={**body, "stream": False})
+                    assert twin.status_code == 400 and twin.json()["error"]["param"] == "rid"
                     answer = httpx.post(pd.url + "/abort_request", json={"rid": "pd-abort-1"})
                     assert answer.json()["aborted"] is True
     assert events[-1] == "[DONE]" and '"request_aborted"' in events[-2]
