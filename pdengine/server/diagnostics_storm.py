@@ -230,8 +230,10 @@ async def _round(
 ) -> list[_Outcome]:
     outcomes: list[_Outcome] = []
     tally: Counter[str] = Counter()
-    # Pre-token cuts spread over the first-token latencies seen so far (under load they grow).
-    horizon = max(first_token_times) * 1.2
+    # Pre-token cuts spread over the time the round's prefills and transfers take: prefill is
+    # compute-bound, so n concurrent prompts need about n times the warm-up's first-token
+    # latency; later rounds also use the first-token latencies they saw.
+    horizon = max(max(first_token_times), first_token_times[0] * cfg.requests) * 1.1
 
     async def one(plan: tuple[float | None, int | None], prompt: list[int]) -> None:
         outcome = await _one_stream(client, cfg.url, _payload(prompt, cfg.max_tokens), *plan)
