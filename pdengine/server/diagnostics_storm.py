@@ -113,11 +113,15 @@ async def _one_stream(
                 data = line[5:].strip()
                 if data == "[DONE]":
                     return _Outcome("completed", first_token_s=first[0] if first else None)
-                if '"error"' in data and not json.loads(data).get("choices"):
+                try:
+                    chunk = json.loads(data)
+                except ValueError:
+                    return _Outcome("error", error="malformed event", detail=data[:300])
+                if "error" in chunk and not chunk.get("choices"):
                     return _Outcome("error", error="error event in stream", detail=data[:300])
                 if not first:
                     first.append(time.monotonic() - start)
-                tokens += 1
+                tokens += 1  # one event carries one delta (a token, or a few)
                 if cut_after_tokens is not None and tokens >= cut_after_tokens:
                     return _Outcome("aborted", CUT_MID_DECODE, first[0])  # closes the stream
             return _Outcome("error", error="stream ended without [DONE]")
@@ -202,7 +206,8 @@ async def run_storm(cfg: StormConfig, progress: bool = True) -> StormResult:
                 client, cfg.url, _payload(_prompt(rng, cfg.prompt_tokens), 2), None, None
             )
             if warm.kind != "completed" or warm.first_token_s is None:
-                raise DiagnosticsError(f"warm-up request failed: {warm.error or warm.kind}")
+                why = f"{warm.error or warm.kind} {warm.detail}".strip()
+                raise DiagnosticsError(f"warm-up request failed: {why}")
             first_token_times = [warm.first_token_s]
             for round_no in range(1, cfg.rounds + 1):
                 outcomes = await _round(client, cfg, rng, first_token_times, round_no, bar)
