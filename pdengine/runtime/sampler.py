@@ -6,6 +6,8 @@ import torch
 
 from pdengine.runtime.sequence import Sequence
 
+_MIN_TEMPERATURE = torch.finfo(torch.float32).tiny
+
 
 def sample(
     logits: torch.Tensor, seqs: list[Sequence]
@@ -24,7 +26,9 @@ def sample(
         p = seq.params
         if p.temperature == 0.0:
             continue
-        row = logits[b] / p.temperature
+        # Shift by the max and keep the divisor a normal fp32 number: a tiny temperature then
+        # saturates to -inf (argmax-like) instead of inf - inf = NaN in the softmax.
+        row = (logits[b] - logits[b].max()) / max(p.temperature, _MIN_TEMPERATURE)
         if 0 < p.top_k < row.shape[-1]:
             kth = torch.topk(row, p.top_k).values[-1]
             row = row.masked_fill(row < kth, float("-inf"))

@@ -111,3 +111,17 @@ def test_too_many_concurrent_requests_get_429_never_a_crash(pd: Cluster) -> None
         assert stream_completion(router.url, prompt_of(64), 4).ok  # slots were given back
     finally:
         router.stop()
+
+
+@pytest.mark.parametrize("params", [
+    {"temperature": 1e-300}, {"temperature": 1e300}, {"temperature": 1e-30, "top_p": 1e-300},
+    {"temperature": 5e-324, "top_k": 1}, {"top_p": 5e-324},
+])
+def test_extreme_valid_sampling_params_never_kill_a_worker(client: httpx.Client, pd: Cluster,
+                                                           params: dict) -> None:
+    # Found by the schemathesis fuzz: temperature=1e-300 made the sampler's softmax NaN, which
+    # killed the compute loop of the worker for good (every later request got a 5xx).
+    resp = client.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 3, **params})
+    assert resp.status_code in (200, 400), resp.text
+    assert stream_completion(pd.url, prompt_of(40), 3).ok
+    assert pd.prefill.alive and pd.decode.alive
