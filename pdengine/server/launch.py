@@ -17,10 +17,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
+import signal
 import socket
 import sys
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import uvicorn
@@ -72,11 +76,29 @@ async def _announce(server: uvicorn.Server, line: str) -> None:
     print(line, flush=True)
 
 
+class _Server(uvicorn.Server):
+    """uvicorn, except that a stop by SIGINT/SIGTERM ends with exit code 0 once shut down
+    (uvicorn re-raises the signal after its graceful shutdown, which reads as a crash)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        stops = (signal.SIGINT, signal.SIGTERM)
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in stops}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
 def run_app(app: Starlette, sock: socket.socket, role: str, log_level: str = "warning") -> int:
     """Serve `app` on `sock` until SIGINT/SIGTERM (or the parent's death); returns an exit code."""
     config = uvicorn.Config(app, lifespan="on", log_level=log_level, access_log=False,
                             timeout_graceful_shutdown=5, timeout_keep_alive=30)
-    server = uvicorn.Server(config)
+    server = _Server(config)
     parent = os.environ.get(PARENT_PID_ENV)
     banner = "pdengine ready" if role == "serve" else f"pdengine {role} ready"
 

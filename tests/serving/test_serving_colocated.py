@@ -4,6 +4,9 @@ metrics, OpenAPI, and a client disconnect that leaves nothing behind."""
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
 import time
 
 import httpx
@@ -196,3 +199,19 @@ def test_too_many_concurrent_requests_is_429(guarded: ThreadServer) -> None:
             break
         time.sleep(0.05)
     assert third.status_code == 200
+
+
+def test_pdengine_serve_colocated_cli_serves_and_stops_cleanly() -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "pdengine.cli", "serve", "--colocated",
+                             "--port", "0"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.startswith("pdengine ready: http://127.0.0.1:"), line
+        url = line.split()[-1]
+        answer = httpx.post(url + "/v1/completions", timeout=60,
+                            json={"prompt": "cli", "max_tokens": 2, **GREEDY}).json()
+        assert answer["usage"]["completion_tokens"] == 2
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
