@@ -310,12 +310,11 @@ async def test_a_prefill_caller_gets_an_error_not_a_hang_when_the_worker_stops()
         except RequestFailedError as exc:
             errors.append(exc)
 
-    async with anyio.create_task_group() as outer:
-        async with anyio.create_task_group() as worker:
-            await worker.start(prefill.run)
-            outer.start_soon(caller)
-            with anyio.fail_after(5):
-                while prefill.room_state(8) is not RoomState.BOOTSTRAPPING:
-                    await anyio.sleep(0.005)
-            worker.cancel_scope.cancel()  # the worker stops with the room still bootstrapping
+    async with anyio.create_task_group() as outer, anyio.create_task_group() as worker:
+        await worker.start(prefill.run)
+        outer.start_soon(caller)
+        with anyio.fail_after(5):
+            while prefill.room_state(8) is not RoomState.BOOTSTRAPPING:
+                await anyio.sleep(0.005)
+        worker.cancel_scope.cancel()  # the worker stops with the room still bootstrapping
     assert len(errors) == 1 and "stopped" in str(errors[0])
