@@ -35,9 +35,9 @@ FAST_DEADLINES = ("bootstrap_s=5,waiting_for_input_s=5,transfer_progress_s=3,tra
 QUARANTINE_BOUND_S = 5 + (5 + 5 + 8) + 2 + 10
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+def free_port() -> int:
     with socket.socket() as s:
-        s.bind((host, 0))
+        s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
@@ -73,15 +73,21 @@ class Role:
                                          start_new_session=True)
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        """Until the role answers /health (or, inside another network namespace, where this
+        process cannot connect, until it prints its ready line)."""
         deadline = time.monotonic() + timeout_s
         with httpx.Client(timeout=2.0, trust_env=False) as client:
             while True:
                 assert self.proc is not None
                 if self.proc.poll() is not None:
                     raise RuntimeError(f"{self.role} exited {self.proc.returncode}:\n{self.tail()}")
-                with contextlib.suppress(httpx.HTTPError):
-                    if client.get(f"{self.url}/health").status_code == 200:
+                if self.wrap:
+                    if f"pdengine {self.role} ready:" in self.tail(100_000):
                         return
+                else:
+                    with contextlib.suppress(httpx.HTTPError):
+                        if client.get(f"{self.url}/health").status_code == 200:
+                            return
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"{self.role} not ready in {timeout_s}s:\n{self.tail()}")
                 time.sleep(0.2)
@@ -136,16 +142,13 @@ class Cluster:
         wenv = {**base, **(worker_env or {})}
         p_host, d_host, r_host = hosts
         common = ["--model", "tiny", "--log-level", "warning"]
+        # Ports free here; inside a fresh network namespace (`wraps`) every port is free.
         self.prefill = Role("prefill", [*common, *worker_args], {**wenv, **(prefill_env or {})},
-                            log_dir, p_host, free_port(p_host) if not wraps[0] else 0, wraps[0])
+                            log_dir, p_host, free_port(), wraps[0])
         self.decode = Role("decode", [*common, *worker_args], {**wenv, **(decode_env or {})},
-                           log_dir, d_host, free_port(d_host) if not wraps[1] else 0, wraps[1])
-        self.router = Role("router", common, base, log_dir, r_host,
-                           free_port(r_host) if not wraps[2] else 0, wraps[2])
+                           log_dir, d_host, free_port(), wraps[1])
+        self.router = Role("router", common, base, log_dir, r_host, free_port(), wraps[2])
         self._router_args = router_args
-
-    def set_ports(self, prefill: int, decode: int, router: int) -> None:
-        self.prefill.port, self.decode.port, self.router.port = prefill, decode, router
 
     def start(self) -> Cluster:
         for role in (self.prefill, self.decode):
@@ -156,7 +159,8 @@ class Cluster:
             role.start()
         for role in self.roles:
             role.wait_ready()
-        self.wait_router_sees_workers()
+        if not self.router.wrap:
+            self.wait_router_sees_workers()
         return self
 
     @property
@@ -177,7 +181,7 @@ class Cluster:
         router = Role("router", ["--model", "tiny", "--log-level", "warning",
                                  "--prefill", self.prefill.url, "--decode", self.decode.url,
                                  *args], {**self.router.env, **(env or {})},
-                      self.router.log_dir, self.router.host, free_port(self.router.host))
+                      self.router.log_dir, self.router.host, free_port())
         router.start()
         try:
             router.wait_ready()
