@@ -15,6 +15,7 @@ no request outlives the app.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -27,6 +28,24 @@ from pdengine.server.context import AppSettings, ServingContext
 from pdengine.server.engine_backend import EngineBackend
 from pdengine.server.errors import EXCEPTION_HANDLERS
 from pdengine.telemetry.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+
+@contextlib.asynccontextmanager
+async def stop_on_failure(app: Starlette, role: str) -> AsyncIterator[None]:
+    """Wraps a lifespan's running phase: if the engine/worker dies, the server must not live
+    on as an empty shell. Record why (`/health` answers 503 with it) and stop the server
+    through ``app.state.stop_server`` (set by `launch.run_app`), so a supervisor notices."""
+    try:
+        yield
+    except BaseException as exc:
+        app.state.failure = f"the {role} failed: {exc!r}"
+        log.critical("%s; stopping the server", app.state.failure)
+        stop = getattr(app.state, "stop_server", None)
+        if stop is not None:
+            stop()
+        raise
 
 
 def common_routes() -> list[BaseRoute]:
@@ -67,7 +86,9 @@ def create_colocated_app(
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         from pdengine.engine import Engine
 
-        async with Engine(model, mode="colocated", **(engine_options or {})) as engine:
+        async with stop_on_failure(app, "colocated engine"), Engine(
+            model, mode="colocated", **(engine_options or {})
+        ) as engine:
             app.state.ctx = ServingContext(
                 "colocated", settings, Metrics("colocated"), backend=EngineBackend(engine)
             )
@@ -116,7 +137,7 @@ def create_worker_app(
         )
         for route in internal_routes(worker, cluster_token):
             app.router.routes.append(route)
-        async with anyio.create_task_group() as tg:
+        async with stop_on_failure(app, f"{role} worker"), anyio.create_task_group() as tg:
             await tg.start(worker.run)
             app.state.ctx = ServingContext(role, settings, metrics, worker=worker)
             try:

@@ -45,7 +45,8 @@ class ServingContext:
 def context(request: Request) -> ServingContext:
     ctx = getattr(request.app.state, "ctx", None)
     if ctx is None:
-        raise APIError(503, "server is starting")
+        failure = getattr(request.app.state, "failure", None)
+        raise APIError(503, failure or "server is starting or stopping")
     return ctx
 
 

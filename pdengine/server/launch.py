@@ -99,6 +99,7 @@ def run_app(app: Starlette, sock: socket.socket, role: str, log_level: str = "wa
     config = uvicorn.Config(app, lifespan="on", log_level=log_level, access_log=False,
                             timeout_graceful_shutdown=5, timeout_keep_alive=30)
     server = _Server(config)
+    app.state.stop_server = lambda: setattr(server, "should_exit", True)  # see stop_on_failure
     parent = os.environ.get(PARENT_PID_ENV)
     banner = "pdengine ready" if role == "serve" else f"pdengine {role} ready"
 
@@ -113,7 +114,8 @@ def run_app(app: Starlette, sock: socket.socket, role: str, log_level: str = "wa
                 t.cancel()
 
     asyncio.run(main())
-    return 0 if server.started else 1
+    failed = getattr(app.state, "failure", None) is not None
+    return 0 if server.started and not failed else 1
 
 
 # ---- argument parsing -------------------------------------------------------------------------

@@ -128,6 +128,17 @@ def usage(run: RequestRun) -> dict[str, int]:
     }
 
 
+def _token_logprobs(deltas: list[StreamDelta]) -> list[tuple[int, dict[int, float]]]:
+    """(token, {candidate: logprob}) for every generated token of `deltas`."""
+    return [pair for d in deltas
+            for pair in zip(d.token_ids, d.logprobs or [{}] * len(d.token_ids), strict=False)]
+
+
+def _highest(top: dict[int, float], k: int | None) -> list[tuple[int, float]]:
+    """The `k` most likely candidates (the engine adds the sampled token when it is not)."""
+    return sorted(top.items(), key=lambda kv: kv[1], reverse=True)[: k or 0]
+
+
 def _nothing_to_send(delta: StreamDelta) -> bool:
     """Tokens whose text is held back (an incomplete character, a possible stop string)."""
     return not delta.text and delta.finish_reason is None and delta.logprobs is None
@@ -167,27 +178,27 @@ class _OpenAIFormat:
 class CompletionFormat(_OpenAIFormat):
     object_name = chunk_object = "text_completion"
 
-    def _logprobs(self, deltas: list[StreamDelta]) -> dict[str, Any] | None:
+    def _logprobs(self, run: RequestRun, deltas: list[StreamDelta]) -> dict[str, Any] | None:
         if all(d.logprobs is None for d in deltas):
             return None
         out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": []}
-        for d in deltas:
-            for tok, top in zip(d.token_ids, d.logprobs or [{}] * len(d.token_ids), strict=False):
-                out["tokens"].append(self._token_text(tok))
-                out["token_logprobs"].append(top.get(tok))
-                out["top_logprobs"].append({self._token_text(k): v for k, v in top.items()})
+        for tok, top in _token_logprobs(deltas):
+            out["tokens"].append(self._token_text(tok))
+            out["token_logprobs"].append(top.get(tok))
+            out["top_logprobs"].append(
+                {self._token_text(k): v for k, v in _highest(top, run.params.logprobs)})
         return out
 
     def delta(self, run: RequestRun, delta: StreamDelta) -> list[dict[str, Any]]:
         if _nothing_to_send(delta):
             return []
-        choice = {"index": 0, "text": delta.text, "logprobs": self._logprobs([delta]),
+        choice = {"index": 0, "text": delta.text, "logprobs": self._logprobs(run, [delta]),
                   "finish_reason": delta.finish_reason}
         return [self._chunk(run, [choice])]
 
     def full(self, run: RequestRun, deltas: list[StreamDelta]) -> dict[str, Any]:
         choice = {"index": 0, "text": "".join(d.text for d in deltas),
-                  "logprobs": self._logprobs(deltas), "finish_reason": run.finish_reason}
+                  "logprobs": self._logprobs(run, deltas), "finish_reason": run.finish_reason}
         return self._response(run, choice)
 
 
@@ -195,19 +206,18 @@ class ChatFormat(_OpenAIFormat):
     object_name = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
-    def _logprobs(self, deltas: list[StreamDelta]) -> dict[str, Any] | None:
+    def _logprobs(self, run: RequestRun, deltas: list[StreamDelta]) -> dict[str, Any] | None:
         if all(d.logprobs is None for d in deltas):
             return None
         content = []
-        for d in deltas:
-            for tok, top in zip(d.token_ids, d.logprobs or [{}] * len(d.token_ids), strict=False):
-                text = self._token_text(tok)
-                content.append({
-                    "token": text, "logprob": top.get(tok), "bytes": list(text.encode()),
-                    "top_logprobs": [{"token": self._token_text(k), "logprob": v,
-                                      "bytes": list(self._token_text(k).encode())}
-                                     for k, v in top.items()],
-                })
+        for tok, top in _token_logprobs(deltas):
+            text = self._token_text(tok)
+            content.append({
+                "token": text, "logprob": top.get(tok), "bytes": list(text.encode()),
+                "top_logprobs": [{"token": self._token_text(k), "logprob": v,
+                                  "bytes": list(self._token_text(k).encode())}
+                                 for k, v in _highest(top, run.params.logprobs)],
+            })
         return {"content": content}
 
     def start(self, run: RequestRun) -> list[dict[str, Any]]:
@@ -219,13 +229,13 @@ class ChatFormat(_OpenAIFormat):
         if _nothing_to_send(delta):
             return []
         body = {"content": delta.text} if delta.text else {}
-        choice = {"index": 0, "delta": body, "logprobs": self._logprobs([delta]),
+        choice = {"index": 0, "delta": body, "logprobs": self._logprobs(run, [delta]),
                   "finish_reason": delta.finish_reason}
         return [self._chunk(run, [choice])]
 
     def full(self, run: RequestRun, deltas: list[StreamDelta]) -> dict[str, Any]:
         message = {"role": "assistant", "content": "".join(d.text for d in deltas)}
-        choice = {"index": 0, "message": message, "logprobs": self._logprobs(deltas),
+        choice = {"index": 0, "message": message, "logprobs": self._logprobs(run, deltas),
                   "finish_reason": run.finish_reason}
         return self._response(run, choice)
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from pdengine.types import InvalidRequestError, SamplingParams
 
-# SamplingParams field -> accepted JSON type check
+MAX_SEED = 1 << 63  # torch generators take a signed 64-bit seed
 _INT = "an integer"
 _NUM = "a number"
 
@@ -92,7 +92,9 @@ def build_params(
     if top_k is not None:
         kwargs["top_k"] = need_int("top_k", top_k)
     if seed is not None:
-        kwargs["seed"] = need_int("seed", seed)
+        kwargs["seed"] = need_int("seed", seed, 0)
+        if kwargs["seed"] >= MAX_SEED:
+            raise InvalidRequestError("seed", f"must be < 2**63 (got {seed})")
     if stop_token_ids is not None:
         kwargs["stop_token_ids"] = tuple(token_ids("stop_token_ids", stop_token_ids))
     if ignore_eos is not None:

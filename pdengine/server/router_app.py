@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from pdengine.config import SchedulerConfig
-from pdengine.server.app import common_routes, generation_routes, make_app
+from pdengine.server.app import common_routes, generation_routes, make_app, stop_on_failure
 from pdengine.server.context import AppSettings, ServingContext, public_get
 from pdengine.server.router import RouterBackend
 from pdengine.telemetry.metrics import Metrics
@@ -82,7 +82,7 @@ def create_router_app(
         tokenizer, limit = await anyio.to_thread.run_sync(model_limits, model)
         backend = RouterBackend(prefill_urls, decode_urls, model_name=model, tokenizer=tokenizer,
                                 max_model_len=limit, policy=policy, api_key=settings.api_key)
-        async with anyio.create_task_group() as tg:
+        async with stop_on_failure(app, "router"), anyio.create_task_group() as tg:
             await tg.start(backend.run)
             app.state.ctx = ServingContext("router", settings, Metrics("router"), backend=backend)
             try:

@@ -215,3 +215,23 @@ def test_pdengine_serve_colocated_cli_serves_and_stops_cleanly() -> None:
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
+
+
+def test_openai_logprobs(colocated: ThreadServer) -> None:
+    client = openai.OpenAI(base_url=colocated.url + "/v1", api_key="unused")
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+        temperature=0.0, logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4
+    for entry in content:
+        assert len(entry.top_logprobs) == 3
+        assert entry.logprob <= 0.0
+        # greedy: the chosen token is the most likely candidate
+        assert entry.logprob == max(c.logprob for c in entry.top_logprobs)
+    completion = client.completions.create(model="tiny", prompt="hi", max_tokens=3,
+                                           temperature=0.0, logprobs=2,
+                                           extra_body={"ignore_eos": True})
+    lp = completion.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 3
+    assert all(len(top) <= 2 for top in lp.top_logprobs)

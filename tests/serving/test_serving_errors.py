@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
+import anyio
 import httpx
 import pytest
 from conftest import MAX_BODY, ThreadServer, gauge, scrape
+from starlette.applications import Starlette
+
+from pdengine.server.app import common_routes, make_app, stop_on_failure
 
 LONG_PROMPT = list(range(1, 200)) * 25  # 4975 tokens > the tiny model's 4096
 
@@ -24,6 +29,8 @@ CASES = [
     ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 99}, 400, "logprobs"),
     ("/v1/completions", {"prompt": "hi", "seed": 1.5}, 400, "seed"),
+    ("/v1/completions", {"prompt": "hi", "seed": 2**64}, 400, "seed"),  # would kill torch
+    ("/v1/completions", {"prompt": "hi", "seed": -1}, 400, "seed"),
     ("/v1/completions", {"prompt": "hi", "stream": "yes"}, 400, "stream"),
     ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
     ("/v1/completions", {"prompt": []}, 400, "prompt"),
@@ -124,3 +131,26 @@ def test_duplicate_rid_is_refused_without_losing_a_slot(colocated: ThreadServer)
     while context.limiter.in_flight and time.monotonic() < deadline:
         time.sleep(0.05)
     assert context.limiter.in_flight == 0  # every refused request gave its slot back
+
+
+def test_a_dying_engine_stops_the_server_instead_of_leaving_a_shell() -> None:
+    """The lifespan's guard: a crash of what the app owns stops uvicorn, with the reason."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        async def crash_soon() -> None:
+            await anyio.sleep(0.2)
+            raise RuntimeError("the engine loop died")
+
+        async with stop_on_failure(app, "test engine"), anyio.create_task_group() as tg:
+            tg.start_soon(crash_soon)
+            yield
+
+    app = make_app(common_routes(), lifespan)
+    server = ThreadServer(app)
+    app.state.stop_server = lambda: setattr(server.server, "should_exit", True)
+    with server:
+        server.thread.join(10)
+        assert not server.thread.is_alive()  # uvicorn stopped by itself
+    assert "the test engine failed" in app.state.failure
+    assert "the engine loop died" in app.state.failure
