@@ -92,4 +92,7 @@ async def debug_rooms(request: Request) -> Response:
 async def openapi(request: Request) -> Response:
     ctx = context(request)
     paths = sorted({r.path for r in request.app.routes if hasattr(r, "path")})
-    return JSONResponse(openapi_schema(ctx.role, paths))
+    source = ctx.worker if ctx.worker is not None else ctx.backend
+    vocab = getattr(getattr(source, "tokenizer", None), "vocab_size", None)
+    return JSONResponse(openapi_schema(ctx.role, paths, vocab_size=vocab,
+                                       max_model_len=getattr(source, "max_model_len", None)))

@@ -39,7 +39,7 @@ _SAMPLING_COMMON: dict[str, Any] = {
     "temperature": {"type": "number", "minimum": 0},
     "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
     "top_k": {"type": "integer", "description": "-1 disables", "minimum": -1, "not": {"const": 0}},
-    "seed": {"type": "integer"},
+    "seed": {"type": "integer", "minimum": 0, "maximum": (1 << 63) - 1},
     "stop": {"oneOf": [{"type": "string", "minLength": 1},
                        {"type": "array", "maxItems": 16,
                         "items": {"type": "string", "minLength": 1}}]},
@@ -181,14 +181,45 @@ PATHS: dict[str, dict[str, Any]] = {
 }
 
 
-def openapi_schema(role: str, paths: list[str] | None = None) -> dict[str, Any]:
-    """The document for one app; `paths` limits it to the routes that app serves."""
+def _apply_limits(schemas: dict[str, Any], vocab_size: int | None,
+                  max_model_len: int | None) -> None:
+    """Bounds that depend on the served model: token ids < vocab, lengths < the model length."""
+
+    def visit(node: Any) -> None:
+        if isinstance(node, dict):
+            items = node.get("items")
+            if vocab_size and isinstance(items, dict) and items.get("type") == "integer" \
+                    and items.get("minimum") == 0:
+                node["items"] = {**items, "maximum": vocab_size - 1}
+                if max_model_len:
+                    node["maxItems"] = max_model_len
+            for value in node.values():
+                visit(value)
+        elif isinstance(node, list):
+            for value in node:
+                visit(value)
+
+    visit(schemas)
+    if max_model_len:
+        for name, field in (("CompletionRequest", "max_tokens"),
+                            ("ChatCompletionRequest", "max_tokens"),
+                            ("ChatCompletionRequest", "max_completion_tokens"),
+                            ("SamplingParams", "max_new_tokens")):
+            schemas[name]["properties"][field]["maximum"] = max_model_len - 1
+
+
+def openapi_schema(role: str, paths: list[str] | None = None, *, vocab_size: int | None = None,
+                   max_model_len: int | None = None) -> dict[str, Any]:
+    """The document for one app; `paths` limits it to the routes that app serves, and the
+    model's vocabulary size and length bound token ids and lengths."""
     chosen = {p: v for p, v in PATHS.items() if paths is None or p in paths}
+    schemas = copy.deepcopy(SCHEMAS)
+    _apply_limits(schemas, vocab_size, max_model_len)
     return {
         "openapi": "3.1.0",
         "info": {"title": f"pdengine {role}", "version": "0.1.0",
                  "description": "pdengine public HTTP API (internal /internal/* routes excluded)"},
         "paths": copy.deepcopy(chosen),
-        "components": {"schemas": copy.deepcopy(SCHEMAS),
+        "components": {"schemas": schemas,
                        "securitySchemes": {"apiKey": {"type": "http", "scheme": "bearer"}}},
     }

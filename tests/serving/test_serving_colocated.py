@@ -116,6 +116,10 @@ def test_openapi_is_valid_and_lists_the_endpoints(colocated: ThreadServer) -> No
     assert set(doc["paths"]) == expected
     body = doc["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]
     assert body["schema"]["$ref"] == "#/components/schemas/CompletionRequest"
+    # bounds of the served model, so a schema-driven fuzzer generates in-range ids
+    ids = doc["components"]["schemas"]["GenerateRequest"]["properties"]["input_ids"]
+    vocab = Tokenizer.load(resolve_model("tiny")).vocab_size
+    assert ids["items"]["maximum"] == vocab - 1
 
 
 def test_client_disconnect_mid_stream_returns_to_idle(colocated: ThreadServer) -> None:
