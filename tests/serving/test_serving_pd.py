@@ -283,3 +283,15 @@ def test_children_die_with_a_killed_parent() -> None:
     while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(alive(p) for p in pids)
+
+
+def test_a_dead_worker_takes_the_deployment_down_cleanly() -> None:
+    """`pdengine serve` does not keep serving with half a cluster: it stops and says so."""
+    serve = Serve("--transport", "nixl")
+    pids = serve.pids()
+    os.kill(serve.workers["decode"]["pid"], signal.SIGKILL)
+    assert serve.proc.wait(30) == 1
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(p) for p in pids)
