@@ -89,12 +89,17 @@ def _wait_healthy(children: list[Child], timeout_s: float) -> None:
 
 
 def stop_children(children: list[Child], grace_s: float = STOP_GRACE_S) -> None:
-    """SIGTERM each child in order (router first), then SIGKILL what outlives the grace."""
-    for child in children:
-        if child.proc.poll() is None:
+    """SIGTERM the router first, then the workers together (each may wait on the other's
+    connections); SIGKILL what outlives the grace period."""
+    routers = [c for c in children if c.role == "router"]
+    for group in (routers, [c for c in children if c.role != "router"]):
+        live = [c for c in group if c.proc.poll() is None]
+        for child in live:
             child.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for child in live:
             try:
-                child.proc.wait(grace_s)
+                child.proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 child.proc.kill()
                 child.proc.wait()
