@@ -39,15 +39,23 @@ def store_kv(
     v_cache[pages, offsets] = v
 
 
-# Decode batches whose padding to the longest sequence would more than double the
-# gathered tokens are attended one sequence at a time instead.
-_RAGGED_PADDING_FACTOR = 2
+# A decode batch is attended in groups of sequences of similar length, each padded to its
+# longest. Sorted by length, a sequence joins the current group while the group's padding
+# stays within _RAGGED_PADDING_FACTOR * _GROUP_COST_TOKENS tokens: one more group (a gather
+# and an SDPA call) costs about as much as gathering and attending that many padding
+# tokens. A factor of 0 attends each sequence alone (unless lengths are equal).
+_GROUP_COST_TOKENS = 256
+_RAGGED_PADDING_FACTOR = 1.0
 
 
 def _gather_pages(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
-    """cache [P, S, H, D], pages [..., n] -> [..., n*S, H, D] (tokens in order)."""
-    g = cache[pages]  # [..., n, S, H, D]
-    return g.flatten(-4, -3)
+    """cache [P, S, H, D], pages [..., n] -> [..., n*S, H, D] (tokens in order).
+
+    ``index_select`` copies whole pages (one contiguous block each, whatever the page
+    stride): about twice as fast as advanced indexing.
+    """
+    g = cache.index_select(0, pages.reshape(-1))
+    return g.view(*pages.shape[:-1], pages.shape[-1] * cache.shape[1], *cache.shape[2:])
 
 
 def _sequence_kv(cache: torch.Tensor, table_row: torch.Tensor, length: int) -> torch.Tensor:
@@ -56,20 +64,44 @@ def _sequence_kv(cache: torch.Tensor, table_row: torch.Tensor, length: int) -> t
     return _gather_pages(cache, pages)[:length].transpose(0, 1)
 
 
-def _decode_ragged(
+def _length_groups(lens: list[int]) -> list[list[int]]:
+    """Rows of non-zero length, longest first, cut into groups of similar length."""
+    order = sorted((b for b, n in enumerate(lens) if n > 0), key=lens.__getitem__, reverse=True)
+    budget = _RAGGED_PADDING_FACTOR * _GROUP_COST_TOKENS
+    groups: list[list[int]] = []
+    longest = waste = 0
+    for b in order:
+        if groups and waste + longest - lens[b] <= budget:
+            groups[-1].append(b)
+            waste += longest - lens[b]
+        else:
+            groups.append([b])
+            longest, waste = lens[b], 0
+    return groups
+
+
+def _decode_group(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
     lens: list[int], sm_scale: float,
 ) -> torch.Tensor:  # fmt: skip
-    out = torch.zeros_like(q)
-    for b, n in enumerate(lens):
-        if n == 0:
-            continue
-        k = _sequence_kv(k_cache, page_table[b], n)
-        v = _sequence_kv(v_cache, page_table[b], n)
-        o = F.scaled_dot_product_attention(q[b].unsqueeze(1), k, v, scale=sm_scale,
-                                           enable_gqa=True)  # fmt: skip
-        out[b] = o.squeeze(1)
-    return out
+    """q [g, Hq, D] over its rows' pages (page_table [g, >=n]), each padded to the longest."""
+    g, hq, d = q.shape
+    num_pages, page_size, hkv, _ = k_cache.shape
+    longest, shortest = max(lens), min(lens)
+    # Entries past a row's last page may be padding (-1 or stale): clamp to a real page,
+    # its tokens are masked out below.
+    pages = page_table[:, : -(-longest // page_size)].long().clamp_(0, num_pages - 1)
+    k = _gather_pages(k_cache, pages)[:, :longest].transpose(1, 2)  # [g, Hkv, L, D]
+    v = _gather_pages(v_cache, pages)[:, :longest].transpose(1, 2)
+    mask = None
+    if shortest < longest:
+        key_len = torch.tensor(lens, device=q.device)[:, None, None, None]
+        mask = torch.arange(longest, device=q.device) < key_len  # [g, 1, 1, L]
+    # The q heads sharing a kv head become that head's query rows: SDPA then reads each
+    # K/V once instead of once per q head (about half the time of enable_gqa here).
+    out = F.scaled_dot_product_attention(q.view(g, hkv, hq // hkv, d), k, v, attn_mask=mask,
+                                         scale=sm_scale)
+    return out.view(g, hq, d)
 
 
 def paged_decode_attention(
@@ -90,29 +122,17 @@ def paged_decode_attention(
     ignored: the twin is exact and reads the lengths itself.
     """
     check_decode(q, k_cache, v_cache, page_table, seq_lens, num_kv_splits)
-    b, hq, d = q.shape
-    if b == 0:
-        return q.new_empty((0, hq, d))
-    page_size = k_cache.shape[1]
     lens = seq_lens.tolist()
-    max_len = max(lens)
-    if max_len == 0:
-        return torch.zeros_like(q)
-    if b * max_len > _RAGGED_PADDING_FACTOR * sum(lens):
-        return _decode_ragged(q, k_cache, v_cache, page_table, lens, sm_scale)
-    n_pages = -(-max_len // page_size)
-    # Pages past a sequence's end may hold padding indices: clamp them to a valid
-    # page and mask the tokens out.
-    pages = page_table[:, :n_pages].long().clamp(0, k_cache.shape[0] - 1)
-    k = _gather_pages(k_cache, pages).transpose(1, 2)  # [B, Hkv, L, D]
-    v = _gather_pages(v_cache, pages).transpose(1, 2)
-    pos = torch.arange(n_pages * page_size, device=q.device)
-    mask = (pos[None, :] < seq_lens[:, None].long())[:, None, None, :]  # [B, 1, 1, L]
-    out = F.scaled_dot_product_attention(
-        q.unsqueeze(2), k, v, attn_mask=mask, scale=sm_scale, enable_gqa=True
-    )
-    # A padding row (length 0) has every key masked: zeros, not NaN.
-    return out.squeeze(2).masked_fill((seq_lens == 0)[:, None, None], 0.0)
+    groups = _length_groups(lens)
+    if len(groups) == 1 and len(groups[0]) == len(lens):  # every row in one group, as is
+        return _decode_group(q, k_cache, v_cache, page_table, lens, sm_scale)
+    out = torch.zeros_like(q)
+    for rows in groups:
+        index = torch.tensor(rows, device=q.device)
+        o = _decode_group(q.index_select(0, index), k_cache, v_cache,
+                          page_table.index_select(0, index), [lens[b] for b in rows], sm_scale)
+        out.index_copy_(0, index, o)
+    return out
 
 
 def paged_prefill_attention(
