@@ -239,3 +239,24 @@ def test_openai_logprobs(colocated: ThreadServer) -> None:
     lp = completion.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 3
     assert all(len(top) <= 2 for top in lp.top_logprobs)
+
+
+def test_disconnect_before_the_first_token_aborts(colocated: ThreadServer) -> None:
+    aborted0 = gauge(scrape(colocated.url), "pdengine_num_aborted_requests_total", "colocated")
+    body = {"input_ids": [i % 250 + 1 for i in range(1000)], "stream": True,
+            "sampling_params": {"max_new_tokens": 50, "ignore_eos": True}}
+    with pytest.raises(httpx.ReadTimeout), httpx.stream(
+        "POST", colocated.url + "/generate", json=body, timeout=httpx.Timeout(5.0, read=0.01)
+    ) as r:
+        for _ in r.iter_lines():
+            pass
+    deadline = time.monotonic() + 2.0
+    while True:
+        samples = scrape(colocated.url)
+        idle = all(gauge(samples, name, "colocated") == 0 for name in (
+            "pdengine_num_running_reqs", "pdengine_num_queue_reqs", "pdengine_kv_pages_used"))
+        if idle or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert idle, samples
+    assert gauge(samples, "pdengine_num_aborted_requests_total", "colocated") == aborted0 + 1
