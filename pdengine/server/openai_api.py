@@ -92,8 +92,8 @@ def chat_prompt_ids(backend: Backend, messages: Any) -> list[int]:
 
 
 def common_params(body: dict[str, Any], *, max_tokens: Any, logprobs: Any) -> SamplingParams:
-    n = body.get("n", 1)
-    if n != 1:
+    n = body.get("n")
+    if n is not None and (isinstance(n, bool) or n != 1):
         raise InvalidRequestError("n", "only n=1 is supported")
     for penalty in ("presence_penalty", "frequency_penalty"):
         if body.get(penalty) not in (None, 0, 0.0):

@@ -27,6 +27,7 @@ CASES = [
     ("/v1/completions", {"prompt": "hi", "max_tokens": 5000}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "stop": 5}, 400, "stop"),
     ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "n": True}, 400, "n"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 99}, 400, "logprobs"),
     ("/v1/completions", {"prompt": "hi", "seed": 1.5}, 400, "seed"),
     ("/v1/completions", {"prompt": "hi", "seed": 2**64}, 400, "seed"),  # would kill torch
