@@ -45,7 +45,9 @@ def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """Keep the smallest set of most likely tokens whose mass reaches top_p (at least one)."""
     sorted_probs, order = torch.sort(probs, descending=True)
     mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-    sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
+    drop = mass_before >= top_p
+    drop[..., 0] = False  # the most likely token stays even if top_p rounds to 0 in fp32
+    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
     return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
 
 

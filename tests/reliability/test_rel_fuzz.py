@@ -89,6 +89,7 @@ def test_fuzz_colocated_no_server_error(colocated: Role) -> None:
     wait_for(idle, 30.0, "the colocated server idle after the fuzz")
 
 
+@pytest.mark.slow
 def test_fuzz_router_no_server_error(pd: Cluster) -> None:
     statuses = fuzz(pd.url, examples=4)
     assert statuses[200] > 0

@@ -33,6 +33,7 @@ def test_sigkill_decode_during_transfers(tmp_path) -> None:
         assert_recovered(c)
 
 
+@pytest.mark.slow
 def test_sigkill_prefill_during_transfers(tmp_path) -> None:
     with cluster(tmp_path) as c:
         load = Load(c.url, n=6)
