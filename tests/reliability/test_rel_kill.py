@@ -18,6 +18,7 @@ pytestmark = pytest.mark.timeout(420)
 FAILURE_BOUND_S = 60.0
 
 
+@pytest.mark.slow
 def test_sigkill_decode_during_transfers(tmp_path) -> None:
     with cluster(tmp_path) as c:
         load = Load(c.url, n=6)
