@@ -3,9 +3,9 @@
 Same signatures and semantics as the Triton kernels (see ``__init__``). They
 are exact (no KV splitting), vectorised over tokens and heads, and use
 ``scaled_dot_product_attention`` so the CPU path is reasonably fast:
-decode is one batched SDPA call over the gathered pages of all sequences
-(or one call per sequence when padding to the longest would dominate);
-prefill loops over sequences only.
+decode sorts the sequences by length and makes one batched SDPA call per group
+of similar lengths over their gathered pages; prefill attends the sequences
+with one new token the same way and loops over the others.
 """
 
 from __future__ import annotations
@@ -104,6 +104,23 @@ def _decode_group(
     return out.view(g, hq, d)
 
 
+def _decode_rows(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+    lens: list[int], sm_scale: float,
+) -> torch.Tensor:  # fmt: skip
+    """Row b of q [B, Hq, D] attends to its lens[b] cached tokens; length 0 gives zeros."""
+    groups = _length_groups(lens)
+    if len(groups) == 1 and len(groups[0]) == len(lens):  # every row in one group, as is
+        return _decode_group(q, k_cache, v_cache, page_table, lens, sm_scale)
+    out = torch.zeros_like(q)
+    for rows in groups:
+        index = torch.tensor(rows, device=q.device)
+        o = _decode_group(q.index_select(0, index), k_cache, v_cache,
+                          page_table.index_select(0, index), [lens[b] for b in rows], sm_scale)
+        out.index_copy_(0, index, o)
+    return out
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -122,17 +139,7 @@ def paged_decode_attention(
     ignored: the twin is exact and reads the lengths itself.
     """
     check_decode(q, k_cache, v_cache, page_table, seq_lens, num_kv_splits)
-    lens = seq_lens.tolist()
-    groups = _length_groups(lens)
-    if len(groups) == 1 and len(groups[0]) == len(lens):  # every row in one group, as is
-        return _decode_group(q, k_cache, v_cache, page_table, lens, sm_scale)
-    out = torch.zeros_like(q)
-    for rows in groups:
-        index = torch.tensor(rows, device=q.device)
-        o = _decode_group(q.index_select(0, index), k_cache, v_cache,
-                          page_table.index_select(0, index), [lens[b] for b in rows], sm_scale)
-        out.index_copy_(0, index, o)
-    return out
+    return _decode_rows(q, k_cache, v_cache, page_table, seq_lens.tolist(), sm_scale)
 
 
 def paged_prefill_attention(
@@ -155,13 +162,26 @@ def paged_prefill_attention(
     out = torch.empty_like(q)
     cu = cu_q_lens.tolist()
     lens = seq_lens.tolist()
+    singles: list[int] = []  # sequences with one new token: attended together, as in decode
+    for b, ctx in enumerate(lens):
+        q_len = cu[b + 1] - cu[b]
+        if q_len > ctx:
+            raise ValueError(f"cu_q_lens: sequence {b} has {q_len} new tokens > seq_lens {ctx}")
+        if q_len == 1:
+            singles.append(b)
+    if len(singles) > 1:
+        q_rows = torch.tensor([cu[b] for b in singles], device=q.device)
+        table = page_table.index_select(0, torch.tensor(singles, device=q.device))
+        o = _decode_rows(q.index_select(0, q_rows), k_cache, v_cache, table,
+                         [lens[b] for b in singles], sm_scale)
+        out.index_copy_(0, q_rows, o)
+    else:
+        singles = []
     for b, ctx in enumerate(lens):
         start, end = cu[b], cu[b + 1]
         q_len = end - start
-        if q_len == 0:
+        if q_len == 0 or (singles and q_len == 1):
             continue
-        if q_len > ctx:
-            raise ValueError(f"cu_q_lens: sequence {b} has {q_len} new tokens > seq_lens {ctx}")
         k = _sequence_kv(k_cache, page_table[b], ctx)
         v = _sequence_kv(v_cache, page_table[b], ctx)
         # A leading batch dimension of 1 selects SDPA's faster CPU kernel (~25% here).
