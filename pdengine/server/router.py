@@ -20,6 +20,7 @@ A background task polls every worker's ``/health`` (pid, model length, health).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import math
@@ -237,7 +238,8 @@ class RouterBackend:
                 except Exception as exc:  # never let one request take the router down
                     if not isinstance(exc, UpstreamError):
                         log.exception("request %s failed in the router", request_id)
-                    send.send_nowait(exc)
+                    with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+                        send.send_nowait(exc)  # unless the client already left
 
     async def _attempt(self, a: _Attempt, send: MemoryObjectSendStream[StreamDelta | BaseException],
                        ids: list[int], params: SamplingParams, request_id: str) -> None:
@@ -308,7 +310,10 @@ class RouterBackend:
                     text_len, ids_len = len(text), len(out_ids)
                     if delta.token_ids or delta.text or finish:
                         a.sent_any = a.sent_any or bool(delta.token_ids or delta.text)
-                        send.send_nowait(delta)
+                        try:
+                            send.send_nowait(delta)
+                        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                            return  # the client left; closing its stream cancels this request
                     if finish:
                         return
         except httpx.HTTPError as exc:
