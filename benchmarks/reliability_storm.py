@@ -27,6 +27,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from contextlib import contextmanager, suppress
@@ -45,15 +46,16 @@ os.environ.setdefault("UCX_TLS", "tcp,self,sm")
 
 
 @contextmanager
-def served(model: str):
-    """`pdengine serve` on a free loopback port until the block ends."""
+def served(model: str, log_path: str):
+    """`pdengine serve` on a free loopback port until the block ends (its output: `log_path`)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {k: v for k, v in os.environ.items() if not k.startswith("PDENGINE_")}
-    proc = subprocess.Popen([sys.executable, "-m", "pdengine.cli", "serve", "--model", model,
-                             "--port", str(port)], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "pdengine.cli", "serve", "--model", model,
+                                 "--port", str(port)], env=env, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 300
@@ -209,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="mixed traffic duration (600+ for the 10-minute soak; 0: none)")
     p.add_argument("--clients", type=int, default=16, help="concurrent soak clients")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log", default=os.path.join(tempfile.gettempdir(), "pdengine-storm.log"),
+                   help="where the started deployment's output goes")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
     if min(args.rounds, args.requests, args.prompt_tokens, args.clients) < 1:
@@ -217,8 +221,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.url:
         result = anyio.run(run, args, args.url.rstrip("/"))
     else:
-        with served(args.model) as url:
-            result = anyio.run(run, args, url)
+        with served(args.model, args.log) as url:
+            try:
+                result = anyio.run(run, args, url)
+            except Exception:
+                print(f"the deployment's log: {args.log}", file=sys.stderr)
+                raise
     result["elapsed_s"] = round(time.perf_counter() - started, 1)
     if args.json:
         print(json.dumps(result))
