@@ -28,6 +28,8 @@ from typing import Any
 import anyio
 import httpx
 
+from pdengine.server.supervisor import die_with_parent
+
 MAX_REQUESTS = 2000
 HOST = "127.0.0.1"
 
@@ -55,7 +57,8 @@ def start_server(mode: str, model: str, timeout_s: float) -> tuple[subprocess.Po
     if mode == "colocated":
         args.append("--colocated")
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                            preexec_fn=die_with_parent())  # never outlives the benchmark
     assert proc.stdout is not None
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -47,7 +47,7 @@ class Child:
     proc: subprocess.Popen[bytes]
 
 
-def _die_with_parent() -> Callable[[], None] | None:
+def die_with_parent() -> Callable[[], None] | None:
     """A preexec_fn asking Linux to SIGTERM the child when this process dies."""
     if not sys.platform.startswith("linux"):
         return None
@@ -64,7 +64,7 @@ def _die_with_parent() -> Callable[[], None] | None:
 
 def _spawn(role: str, argv: list[str], fd: int, env: dict[str, str]) -> subprocess.Popen[bytes]:
     cmd = [sys.executable, "-m", "pdengine.cli", role, "--fd", str(fd), *argv]
-    return subprocess.Popen(cmd, env=env, pass_fds=(fd,), preexec_fn=_die_with_parent(),
+    return subprocess.Popen(cmd, env=env, pass_fds=(fd,), preexec_fn=die_with_parent(),
                             stdout=sys.stderr)
 
 

@@ -25,6 +25,7 @@ from starlette.routing import Route
 from pdengine.config import Deadlines
 from pdengine.engine import Engine
 from pdengine.server.router_app import create_router_app
+from pdengine.server.supervisor import die_with_parent
 from pdengine.types import SamplingParams
 
 IDLE_GAUGES = (
@@ -40,18 +41,22 @@ IDLE_GAUGES = (
 
 
 class Serve:
-    def __init__(self, *args: str) -> None:
-        self.proc = subprocess.Popen(
+    def __init__(self, *args: str, headers: dict[str, str] | None = None) -> None:
+        self.proc = subprocess.Popen(  # dies with the test process, whatever happens
             [sys.executable, "-m", "pdengine.cli", "serve", "--port", "0", *args],
-            stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()  # the one stdout line, printed once all are healthy
-        if not line.startswith("pdengine ready: "):
-            self.proc.kill()
-            raise RuntimeError(f"pdengine serve did not start: {line!r}")
-        self.url = line.split()[-1]
-        workers = httpx.get(self.url + "/debug/workers").json()["workers"]
-        self.workers = {w["role"]: w for w in workers}
+            stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            preexec_fn=die_with_parent())
+        try:
+            assert self.proc.stdout is not None
+            line = self.proc.stdout.readline()  # the one stdout line, once all are healthy
+            if not line.startswith("pdengine ready: "):
+                raise RuntimeError(f"pdengine serve did not start: {line!r}")
+            self.url = line.split()[-1]
+            workers = httpx.get(self.url + "/debug/workers", headers=headers).json()["workers"]
+            self.workers = {w["role"]: w for w in workers}
+        except BaseException:
+            self.stop()
+            raise
 
     def pids(self) -> list[int]:
         return [httpx.get(self.url + "/health").json()["pid"],
@@ -59,7 +64,11 @@ class Serve:
 
     def stop(self) -> int:
         self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(30)
+        try:
+            return self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
 
 
 def alive(pid: int) -> bool:
@@ -297,3 +306,19 @@ def test_a_dead_worker_takes_the_deployment_down_cleanly() -> None:
     while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(alive(p) for p in pids)
+
+
+def test_api_key_guards_the_router_and_the_workers() -> None:
+    auth = {"Authorization": "Bearer k3y"}
+    serve = Serve("--transport", "nixl", "--api-key", "k3y", headers=auth)
+    try:
+        body = {"text": "x", "sampling_params": {"max_new_tokens": 2}}
+        assert httpx.post(serve.url + "/generate", json=body).status_code == 401
+        assert httpx.post(serve.workers["decode"]["url"] + "/generate", json=body
+                          ).status_code == 401  # the workers got the key from serve
+        ok = httpx.post(serve.url + "/v1/completions", headers=auth, timeout=60,
+                        json={"prompt": "hi", "max_tokens": 3, "ignore_eos": True})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+        assert httpx.get(serve.url + "/debug/rooms", headers=auth).json()["errors"] == []
+    finally:
+        assert serve.stop() == 0
