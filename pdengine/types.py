@@ -45,6 +45,9 @@ class RequestFailedError(PDEngineError):
     http_status = 502
 
 
+MAX_SEED = 1 << 63  # torch generators take a signed 64-bit seed
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -72,7 +75,8 @@ class SamplingParams:
         need(_finite(self.temperature) and self.temperature >= 0.0, "temperature", "must be >= 0")
         need(isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1), "top_k", "must be -1 or >= 1")
         need(_finite(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
-        need(self.seed is None or isinstance(self.seed, int), "seed", "must be an integer")
+        need(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < MAX_SEED),
+             "seed", "must be an integer in [0, 2**63)")
         need(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be non-negative integers")
         need(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         need(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20), "logprobs", "must be in [0, 20]")

@@ -9,9 +9,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from pdengine.types import InvalidRequestError, SamplingParams
+from pdengine.types import MAX_SEED, InvalidRequestError, SamplingParams
 
-MAX_SEED = 1 << 63  # torch generators take a signed 64-bit seed
 _INT = "an integer"
 _NUM = "a number"
 

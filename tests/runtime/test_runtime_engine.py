@@ -146,6 +146,9 @@ async def test_bad_arguments_raise_a_typed_error_naming_the_field(tiny_path, kwa
 async def test_typed_errors_for_params_mode_and_duplicate_ids(tiny_path):
     with pytest.raises(InvalidRequestError, match="top_p"):
         SamplingParams(top_p=0.0)
+    for seed in (-1, 1 << 63):  # torch generators take a signed 64-bit seed
+        with pytest.raises(InvalidRequestError, match="seed"):
+            SamplingParams(seed=seed)
     with pytest.raises(InvalidRequestError) as err:
         Engine(model="tiny", mode="bogus")
     assert err.value.field == "mode"
