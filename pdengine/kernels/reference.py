@@ -10,6 +10,10 @@ with one new token the same way and loops over the others.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -80,45 +84,89 @@ def _length_groups(lens: list[int]) -> list[list[int]]:
     return groups
 
 
-def _decode_group(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
-    lens: list[int], sm_scale: float,
-) -> torch.Tensor:  # fmt: skip
-    """q [g, Hq, D] over its rows' pages (page_table [g, >=n]), each padded to the longest."""
-    g, hq, d = q.shape
-    num_pages, page_size, hkv, _ = k_cache.shape
-    longest, shortest = max(lens), min(lens)
-    # Entries past a row's last page may be padding (-1 or stale): clamp to a real page,
-    # its tokens are masked out below.
-    pages = page_table[:, : -(-longest // page_size)].long().clamp_(0, num_pages - 1)
-    k = _gather_pages(k_cache, pages)[:, :longest].transpose(1, 2)  # [g, Hkv, L, D]
-    v = _gather_pages(v_cache, pages)[:, :longest].transpose(1, 2)
-    mask = None
-    if shortest < longest:
-        key_len = torch.tensor(lens, device=q.device)[:, None, None, None]
-        mask = torch.arange(longest, device=q.device) < key_len  # [g, 1, 1, L]
-    # The q heads sharing a kv head become that head's query rows: SDPA then reads each
-    # K/V once instead of once per q head (about half the time of enable_gqa here).
-    out = F.scaled_dot_product_attention(q.view(g, hkv, hq // hkv, d), k, v, attn_mask=mask,
-                                         scale=sm_scale)
-    return out.view(g, hq, d)
+@dataclass(frozen=True)
+class _Group:
+    """Rows of q attended in one SDPA call over their pages, padded to the longest row."""
+
+    q_rows: torch.Tensor | None  # [g] rows of q and of the output; None: every row, in order
+    pages: torch.Tensor  # [g * n] int64 pool pages, n = pages of the longest row
+    num_rows: int
+    longest: int
+    mask: torch.Tensor | None  # [g, 1, 1, longest] True where a row has a key; None: all do
 
 
-def _decode_rows(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
-    lens: list[int], sm_scale: float,
-) -> torch.Tensor:  # fmt: skip
-    """Row b of q [B, Hq, D] attends to its lens[b] cached tokens; length 0 gives zeros."""
+def _decode_plan(
+    page_table: torch.Tensor, lens: list[int], q_rows: list[int], num_q_rows: int,
+    num_pages: int, page_size: int,
+) -> list[_Group]:  # fmt: skip
+    """Groups for rows b (q row q_rows[b] of num_q_rows) attending to their first lens[b]
+    cached tokens (page_table row b)."""
     groups = _length_groups(lens)
-    if len(groups) == 1 and len(groups[0]) == len(lens):  # every row in one group, as is
-        return _decode_group(q, k_cache, v_cache, page_table, lens, sm_scale)
-    out = torch.zeros_like(q)
+    dev = page_table.device
+    plan = []
     for rows in groups:
-        index = torch.tensor(rows, device=q.device)
-        o = _decode_group(q.index_select(0, index), k_cache, v_cache,
-                          page_table.index_select(0, index), [lens[b] for b in rows], sm_scale)
-        out.index_copy_(0, index, o)
-    return out
+        if len(groups) == 1 and len(rows) == len(lens):  # every row: keep their order
+            rows = list(range(len(lens)))
+        row_lens = [lens[b] for b in rows]
+        longest = max(row_lens)
+        table = page_table.index_select(0, torch.tensor(rows, device=dev))
+        # Entries past a row's last page may be padding (-1 or stale): clamp to a real page,
+        # its tokens are masked out.
+        pages = table[:, : -(-longest // page_size)].long().clamp_(0, num_pages - 1)
+        mask = None
+        if min(row_lens) < longest:
+            key_len = torch.tensor(row_lens, device=dev)[:, None, None, None]
+            mask = torch.arange(longest, device=dev) < key_len
+        q_index = [q_rows[b] for b in rows]
+        index = None if q_index == list(range(num_q_rows)) else torch.tensor(q_index, device=dev)
+        plan.append(_Group(index, pages.reshape(-1), len(rows), longest, mask))
+    return plan
+
+
+_local = threading.local()
+
+
+def _cached_plan(
+    key: tuple[object, ...], page_table: torch.Tensor, build: Callable[[], list[_Group]]
+) -> list[_Group]:
+    """The model calls a kernel once per layer with the same batch: plan once per step.
+
+    The plan is reused (in this thread) while ``key`` (the lengths and sizes it was built
+    from) and the page table's contents are unchanged.
+    """
+    last = getattr(_local, "plan", None)
+    if last is not None and last[0] == key and last[1].shape == page_table.shape \
+            and torch.equal(last[1], page_table):
+        return last[2]
+    plan = build()
+    _local.plan = (key, page_table.clone(), plan)
+    return plan
+
+
+def _attend_groups(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: list[_Group],
+    sm_scale: float, out: torch.Tensor | None,
+) -> torch.Tensor:  # fmt: skip
+    """Run the plan's groups; rows no group names keep ``out``'s values (zeros if None)."""
+    hkv, d = k_cache.shape[2:]
+    hq = q.shape[1]
+    for grp in plan:
+        g = grp.num_rows
+        qg = q if grp.q_rows is None else q.index_select(0, grp.q_rows)
+        k = k_cache.index_select(0, grp.pages).view(g, -1, hkv, d)[:, : grp.longest]
+        v = v_cache.index_select(0, grp.pages).view(g, -1, hkv, d)[:, : grp.longest]
+        # The q heads sharing a kv head become that head's query rows: SDPA then reads
+        # each K/V once instead of once per q head (about half the time of enable_gqa).
+        o = F.scaled_dot_product_attention(
+            qg.view(g, hkv, hq // hkv, d), k.transpose(1, 2), v.transpose(1, 2),
+            attn_mask=grp.mask, scale=sm_scale,
+        ).view(g, hq, d)
+        if grp.q_rows is None:
+            return o
+        if out is None:
+            out = torch.zeros_like(q)
+        out.index_copy_(0, grp.q_rows, o)
+    return torch.zeros_like(q) if out is None else out
 
 
 def paged_decode_attention(
@@ -139,7 +187,16 @@ def paged_decode_attention(
     ignored: the twin is exact and reads the lengths itself.
     """
     check_decode(q, k_cache, v_cache, page_table, seq_lens, num_kv_splits)
-    return _decode_rows(q, k_cache, v_cache, page_table, seq_lens.tolist(), sm_scale)
+    num_pages, page_size = k_cache.shape[:2]
+    lens = seq_lens.tolist()
+
+    def build() -> list[_Group]:
+        rows = list(range(len(lens)))
+        return _decode_plan(page_table, lens, rows, len(rows), num_pages, page_size)
+
+    key = ("decode", num_pages, page_size, _RAGGED_PADDING_FACTOR * _GROUP_COST_TOKENS, *lens)
+    plan = _cached_plan(key, page_table, build)
+    return _attend_groups(q, k_cache, v_cache, plan, sm_scale, None)
 
 
 def paged_prefill_attention(
@@ -170,11 +227,17 @@ def paged_prefill_attention(
         if q_len == 1:
             singles.append(b)
     if len(singles) > 1:
-        q_rows = torch.tensor([cu[b] for b in singles], device=q.device)
-        table = page_table.index_select(0, torch.tensor(singles, device=q.device))
-        o = _decode_rows(q.index_select(0, q_rows), k_cache, v_cache, table,
-                         [lens[b] for b in singles], sm_scale)
-        out.index_copy_(0, q_rows, o)
+        num_pages, page_size = k_cache.shape[:2]
+
+        def build() -> list[_Group]:
+            table = page_table.index_select(0, torch.tensor(singles, device=q.device))
+            return _decode_plan(table, [lens[b] for b in singles], [cu[b] for b in singles],
+                                q.shape[0], num_pages, page_size)
+
+        key = ("prefill", num_pages, page_size, _RAGGED_PADDING_FACTOR * _GROUP_COST_TOKENS,
+               *lens, *cu)
+        plan = _cached_plan(key, page_table, build)
+        out = _attend_groups(q, k_cache, v_cache, plan, sm_scale, out)
     else:
         singles = []
     for b, ctx in enumerate(lens):
