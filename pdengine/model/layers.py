@@ -22,8 +22,8 @@ from pdengine.model.weights import TensorSource
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Normalise in float32, scale in the input dtype (the reference models' rounding)."""
     x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+    normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True).add_(eps))).to(x.dtype)
+    return normed.mul_(weight) if weight.dtype == normed.dtype else weight * normed
 
 
 def _fuse(src: TensorSource, names: list[str], shapes: list[tuple[int, ...]]) -> torch.Tensor:
@@ -83,7 +83,7 @@ class DecoderLayer:
         hidden = hidden + self._attention(
             rms_norm(hidden, self.input_norm, self.cfg.rms_norm_eps), cos_sin, batch,
             k_cache, v_cache)
-        return hidden + self._mlp(rms_norm(hidden, self.post_norm, self.cfg.rms_norm_eps))
+        return hidden.add_(self._mlp(rms_norm(hidden, self.post_norm, self.cfg.rms_norm_eps)))
 
     def _attention(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                    batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor
@@ -91,15 +91,18 @@ class DecoderLayer:
         cfg = self.cfg
         tokens = x.shape[0]
         qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
-        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = q.view(tokens, cfg.num_heads, cfg.head_dim)
-        k = k.view(tokens, cfg.num_kv_heads, cfg.head_dim)
-        v = v.view(tokens, cfg.num_kv_heads, cfg.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q = rms_norm(q, self.q_norm, cfg.rms_norm_eps)
-            k = rms_norm(k, self.k_norm, cfg.rms_norm_eps)
         cos, sin = cos_sin
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        v = qkv[:, cfg.q_size + cfg.kv_size :].view(tokens, cfg.num_kv_heads, cfg.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k, _ = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+            q = rms_norm(q.view(tokens, cfg.num_heads, cfg.head_dim), self.q_norm,
+                         cfg.rms_norm_eps)
+            k = rms_norm(k.view(tokens, cfg.num_kv_heads, cfg.head_dim), self.k_norm,
+                         cfg.rms_norm_eps)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        else:  # q and k heads side by side in qkv: rotate them in one pass
+            qk = qkv[:, : cfg.q_size + cfg.kv_size].view(tokens, -1, cfg.head_dim)
+            q, k = apply_rotary(qk, cos, sin).split([cfg.num_heads, cfg.num_kv_heads], dim=1)
         kernels.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         scale = cfg.head_dim**-0.5
         if batch.is_decode:
@@ -114,4 +117,4 @@ class DecoderLayer:
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_weight, self.down_bias)
+        return F.linear(F.silu(gate, inplace=True).mul_(up), self.down_weight, self.down_bias)
