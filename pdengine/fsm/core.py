@@ -308,6 +308,10 @@ class RoomCore:
         for room in [r for r in self._rooms.values() if r.peer == ev.peer]:
             if not room.state.terminal:
                 self._fail(room, "fail", ev.reason, "dead")
+            elif room.quarantined:
+                # Held for a live peer's writes; a dead peer's in-flight WRITEs land within drain_s.
+                room.from_peer = "dead"
+                self._arm(room, min(room.deadline, self._clock() + self.deadlines.drain_s))
 
     def _fail(self, room: Room, trigger: str, reason: str, from_peer: str = "") -> bool:
         if not room.state.terminal:

@@ -213,6 +213,25 @@ def test_gauges_snapshot_and_config_deadlines_on_a_fake_clock():
     assert actor.expire_due() == 1 and actor.result(1).state is RoomState.FAILED
 
 
+def test_peer_death_shortens_an_already_quarantined_rooms_hold_to_drain_s():
+    now = [0.0]
+    deadlines = RoomDeadlines(bootstrap_s=30, waiting_for_input_s=60, transfer_progress_s=30,
+                              drain_s=2, transfer_total_s=120)
+    actor = RoomActor(deadlines=deadlines, clock=lambda: now[0])
+    released: list = []
+    actor.on(ReleasePages, released.append)
+    actor.apply(CreateRoom(1, "decode", peer="p0", pages=(4, 5)))
+    actor.apply(Abort(1, "client"))  # peer alive: held for its possible late writes
+    held_until = actor.get(1).deadline
+    assert actor.get(1).quarantined and held_until > 100
+    now[0] = 10.0
+    actor.apply(PeerFailed("p0", "heartbeat lost"))
+    assert actor.get(1).deadline == 12.0
+    now[0] = 12.0
+    assert actor.expire_due() == 1
+    assert released == [ReleasePages(1, (4, 5), "drain deadline")] and actor.live_rooms == 0
+
+
 def test_bad_configuration_is_rejected_with_the_field_named():
     with pytest.raises(ValueError, match="bootstrap_s"):
         RoomDeadlines(bootstrap_s=0)
