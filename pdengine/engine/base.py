@@ -16,69 +16,11 @@ from __future__ import annotations
 import abc
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-import anyio
-from anyio.streams.memory import MemoryObjectReceiveStream
-
+from pdengine.runtime.request_stream import RequestStream
 from pdengine.types import GenerateOutput, InvalidRequestError, SamplingParams, StreamDelta
-
-
-class RequestStream:
-    """Async iterator over one request's StreamDeltas; the last one has a finish_reason.
-
-    Leaving it early aborts the request: `break` (once the iterator is dropped),
-    `aclose()`, or cancelling the task that awaits the next delta.
-    """
-
-    def __init__(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        receive: MemoryObjectReceiveStream[StreamDelta | BaseException],
-        abort: Callable[[str], object],
-    ) -> None:
-        self.request_id = request_id
-        self.prompt_token_ids = prompt_token_ids
-        self._receive = receive
-        self._abort = abort
-        self._done = False
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> StreamDelta:
-        if self._done:
-            raise StopAsyncIteration
-        try:
-            item = await self._receive.receive()
-        except anyio.EndOfStream:
-            self._close()
-            raise StopAsyncIteration from None
-        except BaseException:
-            self._close(abort=True)
-            raise
-        if isinstance(item, BaseException):
-            self._close()
-            raise item
-        if item.finish_reason is not None:
-            self._close()
-        return item
-
-    async def aclose(self) -> None:
-        self._close(abort=True)
-
-    def _close(self, abort: bool = False) -> None:
-        if not self._done:
-            self._done = True
-            if abort:
-                self._abort(self.request_id)
-            self._receive.close()
-
-    def __del__(self) -> None:
-        if not self._done:
-            self._close(abort=True)
 
 
 class EngineBase(abc.ABC):

@@ -41,6 +41,7 @@ from anyio.streams.memory import MemoryObjectSendStream
 from pdengine.fsm import DeliverPages, ReleasePages, RoomState, TellPeer
 from pdengine.fsm.events import Abort, Bootstrapped, CreateRoom, TransferFailed
 from pdengine.runtime import OutputText, SeqStatus, Sequence, StepOutput
+from pdengine.runtime.request_stream import RequestStream as DecodeStream
 from pdengine.telemetry.metrics import Metrics
 from pdengine.types import (
     InvalidRequestError,
@@ -51,7 +52,6 @@ from pdengine.types import (
 )
 from pdengine.workers.common import WorkerCore, WorkerOptions
 from pdengine.workers.peer_client import PeerError
-from pdengine.workers.stream import DecodeStream
 
 log = logging.getLogger(__name__)
 

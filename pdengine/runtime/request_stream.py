@@ -1,9 +1,10 @@
-"""DecodeStream: the async iterator a decode request's caller reads deltas from.
+"""RequestStream: the async iterator a caller reads one request's deltas from.
 
-The last delta has a `finish_reason`; a failed request raises its typed error
-(`RequestFailedError` with the reason). Leaving early — `aclose()`, `break`
-(when the iterator is collected) or cancelling the reading task — aborts the
-request, which aborts the room on both workers.
+Shared by the colocated engine, the PD engine and the decode worker. The last
+delta has a `finish_reason`; a failed request raises its typed error. Leaving
+early — `aclose()`, `break` (once the iterator is collected) or cancelling the
+reading task — calls `abort(request_id)`, which aborts the request (and, in PD,
+the room on both workers).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 from pdengine.types import StreamDelta
 
 
-class DecodeStream:
+class RequestStream:
     def __init__(
         self,
         request_id: str,
@@ -26,18 +27,18 @@ class DecodeStream:
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
-        self.receive = receive
+        self._receive = receive
         self._abort = abort
         self._done = False
 
-    def __aiter__(self) -> DecodeStream:
+    def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> StreamDelta:
         if self._done:
             raise StopAsyncIteration
         try:
-            item = await self.receive.receive()
+            item = await self._receive.receive()
         except anyio.EndOfStream:
             self._close()
             raise StopAsyncIteration from None
@@ -57,14 +58,14 @@ class DecodeStream:
     def detach(self) -> MemoryObjectReceiveStream[StreamDelta | BaseException]:
         """Hand the raw delta stream to another wrapper (which then owns abort-on-close)."""
         self._done = True
-        return self.receive
+        return self._receive
 
     def _close(self, abort: bool = False) -> None:
         if not self._done:
             self._done = True
             if abort:
                 self._abort(self.request_id)
-            self.receive.close()
+            self._receive.close()
 
     def __del__(self) -> None:
         if not self._done:
