@@ -244,12 +244,9 @@ def test_openai_logprobs(colocated: ThreadServer) -> None:
 def test_disconnect_before_the_first_token_aborts(colocated: ThreadServer) -> None:
     aborted0 = gauge(scrape(colocated.url), "pdengine_num_aborted_requests_total", "colocated")
     body = {"input_ids": [i % 250 + 1 for i in range(1000)], "stream": True,
-            "sampling_params": {"max_new_tokens": 50, "ignore_eos": True}}
-    with pytest.raises(httpx.ReadTimeout), httpx.stream(
-        "POST", colocated.url + "/generate", json=body, timeout=httpx.Timeout(5.0, read=0.01)
-    ) as r:
-        for _ in r.iter_lines():
-            pass
+            "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}
+    with httpx.stream("POST", colocated.url + "/generate", json=body, timeout=30) as r:
+        assert r.status_code == 200  # hang up after the headers, before reading a token
     deadline = time.monotonic() + 2.0
     while True:
         samples = scrape(colocated.url)
